@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine:  make demo  (the main job)  and  make test.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the CPU build these machines carry locally; an unpinned torch pulls CUDA wheels.
+TORCH ?= torch==2.13.0
+
+.PHONY: venv demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[export,dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m specinfer.demo
+
+test: venv
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) .pytest_cache

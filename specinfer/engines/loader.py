@@ -1,0 +1,55 @@
+"""From a folder to a Runtime: an export is opened as it is; a checkpoint is exported first (cached)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from ..errors import SpecInferError
+from .runtime import Runtime
+
+ENGINES = ("onnxruntime", "torch")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECINFER_CACHE", Path.home() / ".cache" / "specinfer"))
+
+
+def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
+    """``model_dir`` itself if it is an export, else a cached export of the checkpoint in it."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise SpecInferError(f"model folder not found: {model_dir}")
+    if (model_dir / "manifest.json").is_file():
+        return model_dir
+    if not (model_dir / "config.json").is_file():
+        raise SpecInferError(f"{model_dir} is neither a checkpoint (config.json) nor an export (manifest.json)")
+    # The key changes whenever the checkpoint's files change, so a stale export is never reused.
+    stamp = [str(model_dir.resolve()), str(max_context)] + sorted(
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in model_dir.iterdir() if p.is_file())
+    out = cache_dir() / "onnx" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:16]
+    if (out / "manifest.json").is_file():
+        return out
+    try:
+        from ..export import export_model
+    except ImportError:
+        raise SpecInferError(f"{model_dir} is a checkpoint: export it first (`specinfer export {model_dir} -o DIR`, "
+                             "which needs `pip install specinfer[export]`)") from None
+    export_model(model_dir, out, max_context=max_context)
+    return out
+
+
+def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context: int | None = None,
+                 threads: int | None = None) -> Runtime:
+    """Open a model folder (an export, or a checkpoint) on the chosen engine."""
+    if engine == "onnxruntime":
+        from .onnxruntime import OrtRuntime
+
+        return OrtRuntime(onnx_folder(model_dir, max_context), threads=threads, max_context=max_context)
+    if engine == "torch":
+        from .torch_runtime import TorchRuntime
+
+        if not (Path(model_dir) / "config.json").is_file():
+            raise SpecInferError(f"the torch engine needs a checkpoint folder (config.json) in {model_dir}")
+        return TorchRuntime(model_dir, max_context=max_context)
+    raise SpecInferError(f"unknown engine '{engine}' (choose from {', '.join(ENGINES)})")

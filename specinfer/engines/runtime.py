@@ -1,0 +1,181 @@
+"""The Runtime interface: the seam between speculation/verification and whatever runs the model.
+
+A sequence's KV cache is one buffer ``kv[layer, key|value, slot, kv_head, head_dim]`` allocated once
+up to its capacity. Slots ``[0, length)`` hold the committed tokens. Every :meth:`Runtime.score`
+call appends *pending* tree nodes after them: their KV is written to the next free slots, and each
+pending node attends to the committed prefix and to its pending ancestors (possibly scored by an
+earlier call, which is how a speculative model grows its tree one depth per call).
+:meth:`Runtime.commit` keeps one root-to-leaf path of pending nodes: their KV moves down to slots
+``length, length + 1, ...`` (a copy of only the accepted tokens, never of the cache) and every other
+pending node is dropped.
+
+Cost of a step: the model's forward over T new tokens reads the S cached tokens' KV once per layer
+(attention is O(T * S)); nothing else scales with S. Commit copies ``len(path)`` tokens' KV.
+"""
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import SpecInferError
+from ..plugins.tree_attention import ancestor_matrix, pack_bits
+
+
+@dataclass
+class SequenceState:
+    """One sequence's state: its KV buffer, committed length and pending tree."""
+
+    kv: Any                     # [L, 2, capacity, Hkv, D], numpy array or torch tensor
+    capacity: int
+    length: int = 0             # committed tokens
+    parents: list[int] = field(default_factory=list)   # pending nodes' parents (-1 = the prefix)
+    depths: list[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return len(self.parents)
+
+
+class Runtime(abc.ABC):
+    """Prefill, score a tree, commit a path, release: for many sequences, keyed by id."""
+
+    config: ModelConfig
+    max_context: int
+
+    def __init__(self, config: ModelConfig, max_context: int):
+        self.config = config
+        self.max_context = max_context
+        self._sequences: dict[Hashable, SequenceState] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    # --- what an implementation provides ---------------------------------------------------------
+    @abc.abstractmethod
+    def _allocate(self, capacity: int) -> Any:
+        """A zeroed KV buffer [L, 2, capacity, Hkv, D]."""
+
+    @abc.abstractmethod
+    def _forward(self, seq: SequenceState, tokens: np.ndarray, positions: np.ndarray,
+                 tree_mask: np.ndarray) -> np.ndarray:
+        """Run the model on T new tokens over ``seq.kv[:, :, :start]`` (start = committed + pending
+        before this call), write their KV to slots ``[start, start + T)``, return float32 [T, V]."""
+
+    # --- the interface ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def start(self, seq_id: Hashable | None = None, capacity: int | None = None) -> Hashable:
+        """Open a sequence (an id is made if none is given) with room for ``capacity`` tokens."""
+        capacity = self.max_context if capacity is None else capacity
+        if not 0 < capacity <= self.max_context:
+            raise SpecInferError(f"capacity {capacity} is outside 1..{self.max_context} (the exported max context)")
+        with self._lock:
+            if seq_id is None:
+                seq_id = next(self._ids)
+            if seq_id in self._sequences:
+                raise SpecInferError(f"sequence {seq_id!r} is already open")
+            self._sequences[seq_id] = SequenceState(self._allocate(capacity), capacity)
+        return seq_id
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free a sequence's KV buffer. Releasing an unknown id does nothing (idempotent)."""
+        with self._lock:
+            self._sequences.pop(seq_id, None)
+
+    def sequences(self) -> list[Hashable]:
+        return list(self._sequences)
+
+    def length(self, seq_id: Hashable) -> int:
+        """Committed tokens of a sequence."""
+        return self._get(seq_id).length
+
+    def capacity(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).capacity
+
+    def kv_bytes(self, seq_id: Hashable) -> int:
+        kv = self._get(seq_id).kv
+        return int(kv.nbytes) if hasattr(kv, "nbytes") else int(kv.numel() * kv.element_size())
+
+    def score(self, seq_id: Hashable, tokens: Sequence[int], parents: Sequence[int] | None = None) -> np.ndarray:
+        """Score new pending nodes; returns their logits, float32 [T, V].
+
+        ``parents[i]`` is the index, among all pending nodes of the sequence (earlier calls' first,
+        then this call's), of node i's parent, or -1 for a child of the committed prefix; it must
+        be smaller than node i's own index. ``None`` means a chain hanging from the last pending
+        node (or from the prefix): a prefill or an incremental step.
+        """
+        seq = self._get(seq_id)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        t, m = len(tokens), seq.pending
+        if t == 0:
+            raise SpecInferError("score needs at least one token")
+        if parents is None:
+            parents = [m - 1 + i for i in range(t)]
+        parents = [int(p) for p in parents]
+        if len(parents) != t:
+            raise SpecInferError(f"{t} tokens but {len(parents)} parents")
+        for i, p in enumerate(parents):
+            if not -1 <= p < m + i:
+                raise SpecInferError(f"node {m + i} has parent {p}: parents must be -1 or an earlier node")
+        if seq.length + m + t > seq.capacity:
+            raise SpecInferError(f"context capacity {seq.capacity} reached: {seq.length} committed, "
+                                 f"{m} pending and {t} new tokens do not fit")
+        if ((tokens < 0) | (tokens >= self.vocab_size)).any():
+            raise SpecInferError(f"token id out of range 0..{self.vocab_size - 1}")
+        all_parents = seq.parents + parents
+        # Only the tree built since the last commit enters the mask; its first node sits at slot
+        # `length`, so the mask covers N = m + t tree tokens and the prefix is implicit.
+        mask = pack_bits(ancestor_matrix(all_parents))
+        depths = [0] * t
+        for i, p in enumerate(parents):  # a node's parent may be in this very call
+            depths[i] = 0 if p < 0 else (seq.depths[p] if p < m else depths[p - m]) + 1
+        positions = seq.length + np.asarray(depths, dtype=np.int64)
+        logits = self._forward(seq, tokens, positions, mask)
+        seq.parents = all_parents
+        seq.depths = seq.depths + depths
+        return logits
+
+    def commit(self, seq_id: Hashable, path: Sequence[int]) -> None:
+        """Keep the pending nodes ``path`` (a root-to-leaf chain, in order), drop all others."""
+        seq = self._get(seq_id)
+        path = [int(i) for i in path]
+        previous = -1
+        for i in path:
+            if not 0 <= i < seq.pending or seq.parents[i] != previous:
+                raise SpecInferError(f"commit path {path} is not a chain of pending nodes from the prefix")
+            previous = i
+        src = seq.length + np.asarray(path, dtype=np.int64)
+        dst = seq.length + np.arange(len(path))
+        moved = src != dst
+        if moved.any():
+            # Sources lie at or after their destinations and in increasing order, so moving in
+            # order never overwrites a source before it is read.
+            self._move(seq, src[moved], dst[moved])
+        seq.length += len(path)
+        seq.parents, seq.depths = [], []
+
+    def prefill(self, seq_id: Hashable, tokens: Sequence[int]) -> np.ndarray:
+        """Score and commit a chain of tokens; returns the logits of the last one, float32 [V]."""
+        if self._get(seq_id).pending:
+            raise SpecInferError("prefill needs a sequence with no pending tree: commit first")
+        logits = self.score(seq_id, tokens)
+        self.commit(seq_id, range(len(logits)))
+        return logits[-1]
+
+    # --- helpers -----------------------------------------------------------------------------------
+    def _move(self, seq: SequenceState, src: np.ndarray, dst: np.ndarray) -> None:
+        for s, d in zip(src, dst):
+            seq.kv[:, :, d] = seq.kv[:, :, s]
+
+    def _get(self, seq_id: Hashable) -> SequenceState:
+        try:
+            return self._sequences[seq_id]
+        except KeyError:
+            raise SpecInferError(f"unknown sequence {seq_id!r} (not started, or released)") from None

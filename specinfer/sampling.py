@@ -1,0 +1,73 @@
+"""How logits become a distribution and a token: greedy, or temperature / top-k / top-p sampling.
+
+The same shaping applies to the LLM and to every SSM, which is what lets multi-step speculative
+sampling keep the (shaped) LLM distribution exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import SpecInferError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` means greedy (argmax); then top_k / top_p are ignored."""
+
+    temperature: float = 0.0
+    top_k: int = 0          # 0: no top-k cut
+    top_p: float = 1.0      # 1: no nucleus cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise SpecInferError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecInferError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SpecInferError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The shaped distribution, float64 [..., V]. Greedy gives a one-hot at the argmax."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        out = np.zeros_like(logits)
+        np.put_along_axis(out, logits.argmax(-1)[..., None], 1.0, axis=-1)
+        return out
+    z = logits / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - z.max(-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < params.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a distribution [V] (exact inverse-CDF on float64)."""
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The token incremental decoding emits after these logits."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(probabilities(logits, params), rng)

@@ -1,0 +1,79 @@
+"""Tiny random checkpoints of each supported family, made with `transformers` and saved as HF folders."""
+from __future__ import annotations
+
+import logging
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+VOCAB = 320
+BOS, EOS = 1, 2
+
+# (family, transformers classes, config overrides): covers llama2, llama3 RoPE scaling, GQA,
+# Mistral, Qwen2 attention bias, tied and untied embeddings.
+FAMILIES = {
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        rope_theta=500000.0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=4096)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def make_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE trained on a stdlib file: real merges, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
+    tok.train_from_iterator([corpus.read_text()], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tok.save(str(path / "tokenizer.json"))
+
+
+def make_checkpoint(path: Path, family: str = "llama3", seed: int = 0, layers: int = 2,
+                    hidden: int = 64, heads: int = 4, **overrides) -> Path:
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, vocab_size=VOCAB, max_position_embeddings=512,
+                  bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+    # Random init is too flat to make greedy choices robust; widen the logits.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0) if not kwargs.get("tie_word_embeddings") else \
+            model.get_input_embeddings().weight.mul_(4.0)
+    path.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> checkpoint folder (made once per test session)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {f: make_checkpoint(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, checkpoints):
+    """family -> exported ONNX folder (fp32, max context 256)."""
+    from specinfer.export import export_model
+
+    root = tmp_path_factory.mktemp("onnx")
+    return {f: export_model(d, root / f, max_context=256, progress=False).out_dir for f, d in checkpoints.items()}

@@ -1,0 +1,107 @@
+"""The Runtime contract, run against every engine available here (ONNX Runtime, PyTorch on CPU)."""
+import numpy as np
+import pytest
+
+from specinfer.engines.onnxruntime import OrtRuntime
+from specinfer.engines.torch_runtime import TorchRuntime
+from specinfer.errors import SpecInferError
+
+TOL = 1e-4
+PROMPT = [1, 50, 51, 52, 53, 54, 55, 56]
+
+
+@pytest.fixture(params=["onnxruntime", "torch"])
+def runtime(request, exported, checkpoints):
+    if request.param == "onnxruntime":
+        return OrtRuntime(exported["llama3"])
+    return TorchRuntime(checkpoints["llama3"], max_context=256)
+
+
+@pytest.fixture
+def reference(checkpoints):
+    """Logits of the last token of a plain sequence, from a fresh runtime (no trees, no commits)."""
+    rt = TorchRuntime(checkpoints["llama3"], max_context=256)
+
+    def last_logits(ids):
+        seq = rt.start()
+        try:
+            return rt.score(seq, ids)[-1]
+        finally:
+            rt.release(seq)
+    return last_logits
+
+
+def test_prefill_then_incremental_steps(runtime, reference):
+    seq = runtime.start()
+    ids = list(PROMPT)
+    logits = runtime.prefill(seq, ids)
+    for _ in range(5):
+        assert np.abs(logits - reference(ids)).max() < TOL
+        ids.append(int(np.argmax(logits)))
+        logits = runtime.score(seq, [ids[-1]])[0]
+        runtime.commit(seq, [0])
+    assert runtime.length(seq) == len(ids)
+
+
+def test_tree_grown_over_calls_then_commit(runtime, reference):
+    seq = runtime.start()
+    runtime.prefill(seq, PROMPT)
+    a = runtime.score(seq, [10, 20, 30], [-1, 0, 0])          # root 10, children 20 and 30
+    b = runtime.score(seq, [40, 41, 42], [2, 2, 3])           # children of 30, grandchild of 30
+    assert np.abs(a[1] - reference(PROMPT + [10, 20])).max() < TOL
+    assert np.abs(b[0] - reference(PROMPT + [10, 30, 40])).max() < TOL
+    assert np.abs(b[2] - reference(PROMPT + [10, 30, 40, 42])).max() < TOL
+    runtime.commit(seq, [0, 2, 3, 5])                          # keep 10, 30, 40, 42
+    assert runtime.length(seq) == len(PROMPT) + 4
+    nxt = runtime.score(seq, [7])[0]
+    assert np.abs(nxt - reference(PROMPT + [10, 30, 40, 42, 7])).max() < TOL
+
+
+def test_discarded_tree_leaves_cache_untouched(runtime, reference):
+    seq = runtime.start()
+    runtime.prefill(seq, PROMPT)
+    runtime.score(seq, [3, 4, 5], [-1, -1, 1])
+    runtime.commit(seq, [])
+    assert runtime.length(seq) == len(PROMPT)
+    assert np.abs(runtime.score(seq, [9])[0] - reference(PROMPT + [9])).max() < TOL
+
+
+def test_sequences_are_independent(runtime, reference):
+    s1, s2 = runtime.start(), runtime.start("client-7")
+    runtime.prefill(s1, PROMPT)
+    runtime.prefill(s2, [1, 2, 3])
+    assert np.abs(runtime.score(s1, [5])[0] - reference(PROMPT + [5])).max() < TOL
+    assert np.abs(runtime.score(s2, [5])[0] - reference([1, 2, 3, 5])).max() < TOL
+    runtime.release(s1)
+    assert runtime.sequences() == ["client-7"]
+
+
+def test_contract_errors(runtime):
+    seq = runtime.start(capacity=10)
+    with pytest.raises(SpecInferError, match="capacity 10 reached"):
+        runtime.score(seq, list(range(11)))
+    runtime.score(seq, [1, 2, 3], [-1, 0, 0])
+    with pytest.raises(SpecInferError, match="not a chain"):
+        runtime.commit(seq, [0, 2, 1])
+    with pytest.raises(SpecInferError, match="parents must be -1 or an earlier node"):
+        runtime.score(seq, [4], [7])
+    with pytest.raises(SpecInferError, match="out of range"):
+        runtime.score(seq, [runtime.vocab_size])
+    with pytest.raises(SpecInferError, match="already open"):
+        runtime.start(seq)
+    runtime.release(seq)
+    with pytest.raises(SpecInferError, match="unknown sequence"):
+        runtime.length(seq)
+
+
+def test_onnxruntime_writes_kv_in_place(exported):
+    """No step copies the cache: new KV lands in the sequence's own buffer, which never moves."""
+    rt = OrtRuntime(exported["llama3"])
+    seq = rt.start()
+    buffer = rt._sequences[seq].kv
+    address = buffer.ctypes.data
+    rt.prefill(seq, PROMPT)
+    rt.score(seq, [5])
+    assert rt._sequences[seq].kv is buffer and buffer.ctypes.data == address
+    assert np.abs(buffer[:, :, len(PROMPT)]).sum() > 0      # the step's KV, written through the binding
+    assert np.abs(buffer[:, :, len(PROMPT) + 1:]).sum() == 0  # nothing beyond it
