@@ -63,7 +63,9 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a distribution [V] (exact inverse-CDF on float64)."""
     c = np.cumsum(p)
-    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    # u * total can round up to the total itself: then take the last token that has mass.
+    return i if i < len(p) else int(np.flatnonzero(p)[-1])
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

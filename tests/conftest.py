@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import logging
+import os
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Checkpoints given to the CLI are exported into this cache: keep it out of the user's home.
+os.environ.setdefault("SPECINFER_CACHE", tempfile.mkdtemp(prefix="specinfer-cache-"))
 
 VOCAB = 320
 BOS, EOS = 1, 2

@@ -141,7 +141,10 @@ def export_model(
     dynamic = {"input_ids": {0: batch, 1: tree}, "position_ids": {0: batch, 1: tree},
                "tree_mask": {0: batch, 1: ntree, 2: words},
                "past": tuple({0: batch, 1: past} for _ in names[3:])}
+    import logging
     import warnings
+    # The exporter logs a warning per missing optional package (torchvision ops): noise to a user.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

@@ -1,0 +1,55 @@
+"""Text in, text out: a target LLM, its SSMs and the tokenizer, opened from folders.
+
+    from specinfer import Pipeline
+    pipe = Pipeline("llm_dir", ssms=["ssm_dir"])
+    for piece in pipe.stream("def fibonacci(n):", max_new_tokens=64):
+        print(piece, end="")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .engines.loader import load_runtime
+from .generate import DEFAULT_BUDGET, DEFAULT_TREE, Stats, generate_ids
+from .sampling import SamplingParams
+from .speculate import parse_widths
+from .text import TextStream, load_tokenizer
+
+
+class Pipeline:
+    """Speculative generation from model folders (exports or checkpoints), on ONNX Runtime by default."""
+
+    def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] = DEFAULT_TREE,
+                 budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
+                 threads: int | None = None):
+        self.llm = load_runtime(llm, engine, max_context, threads)
+        self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
+        self.tree = parse_widths(tree) if isinstance(tree, str) else list(tree)
+        self.budget = budget
+        self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
+        self.eos_ids = self.llm.config.eos_token_ids
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt).ids
+
+    def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
+                   params: SamplingParams = SamplingParams(), stats: Stats | None = None) -> Iterator[list[int]]:
+        return generate_ids(self.llm, prompt_ids, ssms=self.ssms, tree=self.tree, params=params,
+                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, budget=self.budget, stats=stats)
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
+               stats: Stats | None = None) -> Iterator[str]:
+        """Yield text as it is generated (UTF-8 safe)."""
+        text = TextStream(self.tokenizer)
+        for ids in self.stream_ids(self.encode(prompt), max_new_tokens, params, stats):
+            piece = text.push(ids)
+            if piece:
+                yield piece
+        tail = text.flush()
+        if tail:
+            yield tail
+
+    def generate(self, prompt: str, max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
+                 stats: Stats | None = None) -> str:
+        return "".join(self.stream(prompt, max_new_tokens, params, stats))

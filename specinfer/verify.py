@@ -1,0 +1,134 @@
+"""Verification: which path of a speculated token tree the LLM accepts, and the token it adds.
+
+The LLM scores the whole tree in one pass; ``llm_logits[u]`` is its distribution for u's children.
+
+Greedy: follow the LLM's argmax down the tree while a child holds it; the argmax at the last node
+is the bonus token. The output is exactly incremental greedy decoding.
+
+Sampling: multi-step speculative sampling (MSS, SpecInfer Algorithm 2). At node u with LLM
+distribution p, the candidates are u's (child, proposal) pairs in (ssm, rank) order. A candidate x
+drawn by SSM j from q is accepted with probability min(1, p[x] / q[x]); on rejection
+p <- normalize(max(0, p - q)) and the next candidate is tried; with none left, the bonus is drawn
+from p. Why the emitted tokens follow the LLM's distribution exactly:
+
+* One step of rejection sampling (x ~ q, accept w.p. min(1, p/q), else draw from the residual
+  normalize(max(0, p - q))) yields a token distributed as p. Conditioned on a rejection, the
+  residual is then the exact law of the token, so the next candidate faces the same situation with
+  p replaced by the residual; by induction over the candidates, the token that leaves u (an
+  accepted child or the bonus) is distributed as the LLM's p at u. Moving to the accepted child and
+  repeating, by induction over depth, gives the LLM's joint law of the emitted tokens.
+* The induction needs each candidate to be a fresh draw from the q we use, given everything seen
+  so far. SSM drafts draw k children at a parent WITHOUT replacement, so its draw of rank r has the
+  law of q with the SSM's ranks 0..r-1 tokens removed, renormalized (:func:`conditional_q`). Using
+  the plain q there biases the output (a test checks that). Removing those tokens costs nothing:
+  they were rejected, and a rejected token x had p[x] < q[x], so its residual mass is already zero.
+* Hence the trial order within one SSM must be its draw order: with draws without replacement,
+  trying them in a uniformly random order would not be exact. Different SSMs draw independently, so
+  their order does not matter. A token proposed by two SSMs is one node carrying both proposals,
+  each tried in turn with its own q (if the first rejects it, p has no mass there any more and the
+  second rejects it too).
+* Every SSM's proposals at a node must be its ranks 0..m-1 (``tree.merge`` cuts accordingly): a
+  missing earlier draw would leave a later draw's law unknown.
+
+Naive sampling (:func:`verify_naive`) draws from p at each node and follows the tree while the draw
+is a child; exact too, but it ignores the SSM distributions, so it accepts less.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import SamplingParams, probabilities, sample
+from .tree import TokenTree
+
+
+@dataclass
+class Verdict:
+    path: list[int]   # accepted merged-tree nodes, root first (the root is always accepted)
+    bonus: int        # the token the LLM emits after the path
+
+
+def verify_greedy(tree: TokenTree, llm_logits: np.ndarray) -> Verdict:
+    """Longest path whose every token is the LLM argmax at its parent; bonus = argmax at its end."""
+    path = [0]
+    while True:
+        best = int(np.argmax(llm_logits[path[-1]]))
+        child = tree.child(path[-1], best)
+        if child is None:
+            return Verdict(path, best)
+        path.append(child)
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The LLM's law after rejecting a draw from q: normalize(max(0, p - q))."""
+    r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    # Zero mass means p <= q everywhere, i.e. p == q, where a rejection has probability zero; only
+    # rounding gets here, and p itself is then the right law.
+    return r / total if total > 0 else p
+
+
+def conditional_q(q: np.ndarray, drawn: list[int]) -> np.ndarray:
+    """q with the tokens already drawn (without replacement) removed and renormalized."""
+    if not drawn:
+        return q
+    q = q.copy()
+    q[drawn] = 0.0
+    total = q.sum()
+    return q / total if total > 0 else q
+
+
+def _candidates(tree: TokenTree, u: int) -> list[tuple[int, int, np.ndarray]]:
+    """(child, token, q) for u's children's proposals in (ssm, rank) order, q rank-conditioned."""
+    pairs = sorted(((pr.ssm, pr.rank, c, pr.q) for c in tree.children(u) for pr in tree.proposals[c]),
+                   key=lambda t: t[:2])
+    out, drawn = [], []
+    for i, (ssm, rank, c, q) in enumerate(pairs):
+        if i == 0 or ssm != pairs[i - 1][0]:
+            drawn = []
+        if rank != len(drawn):
+            raise ValueError(f"SSM {ssm} proposes ranks {[t[1] for t in pairs if t[0] == ssm]} at node {u}; "
+                             "verification needs ranks 0..m-1")
+        if q is None:
+            raise ValueError("sampling verification needs each proposal's distribution q")
+        out.append((c, tree.tokens[c], conditional_q(q, drawn)))
+        drawn.append(tree.tokens[c])
+    return out
+
+
+def verify_mss(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
+               rng: np.random.Generator) -> Verdict:
+    """SpecInfer multi-step speculative sampling (see the module docstring)."""
+    path = [0]
+    while True:
+        u = path[-1]
+        p = probabilities(llm_logits[u], params)
+        for child, x, q in _candidates(tree, u):
+            # Accept with probability min(1, p[x] / q[x]), written without a division.
+            if rng.random() * q[x] < p[x]:
+                path.append(child)
+                break
+            p = residual(p, q)
+        else:
+            return Verdict(path, sample(p, rng))
+
+
+def verify_naive(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
+                 rng: np.random.Generator) -> Verdict:
+    """Sample from the LLM at each node; follow the tree while the token is a child."""
+    path = [0]
+    while True:
+        token = sample(probabilities(llm_logits[path[-1]], params), rng)
+        child = tree.child(path[-1], token)
+        if child is None:
+            return Verdict(path, token)
+        path.append(child)
+
+
+def verify(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
+           rng: np.random.Generator) -> Verdict:
+    """Greedy verification when ``params.greedy``, else multi-step speculative sampling."""
+    if params.greedy:
+        return verify_greedy(tree, llm_logits)
+    return verify_mss(tree, llm_logits, params, rng)

@@ -1,0 +1,151 @@
+"""Oracles of speculative generation, end to end through the engines.
+
+Greedy: token for token the LLM's own incremental greedy output, for every tree shape and SSM set.
+Sampling: the first generated tokens are distributed as the LLM's own sampling (chi-square).
+"""
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from conftest import EOS, make_checkpoint
+from specinfer import verify as verify_module
+from specinfer.checkpoints import truncate_layers
+from specinfer.engines.onnxruntime import OrtRuntime
+from specinfer.engines.torch_runtime import TorchRuntime
+from specinfer.errors import SpecInferError
+from specinfer.export import export_model
+from specinfer.generate import Stats, generate_ids
+from specinfer.sampling import SamplingParams, probabilities
+from specinfer.speculate import parse_widths
+
+PROMPTS = [[1, 294, 72, 308], [1, 5], [1] + list(range(100, 130)), [1, 33, 33, 33, 200, 17], [1, 250, 3, 99], [1, 7, 8]]
+TREES = {"chain": "1,1,1,1,1,1", "wide": "4,2", "specinfer": "1,1,3,1,1,1,1,1"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, checkpoints):
+    """An LLM, an SSM made of its first layer (agrees often) and an unrelated SSM, exported."""
+    root = tmp_path_factory.mktemp("pair")
+    llm = make_checkpoint(root / "llm", "llama3", seed=5, layers=4)
+    close = truncate_layers(llm, root / "close", 1)
+    export = lambda d, name: export_model(d, root / f"{name}_onnx", max_context=256, progress=False).out_dir
+    return {"llm": OrtRuntime(export(llm, "llm")), "close": OrtRuntime(export(close, "close")),
+            "far": OrtRuntime(export(checkpoints["qwen2"], "far"))}
+
+
+def tokens(llm, prompt, n=40, eos=EOS, **kw):
+    return [t for step in generate_ids(llm, prompt, max_new_tokens=n, eos_ids=[eos] if eos else [], **kw) for t in step]
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("ssms", [["close"], ["far"], ["close", "far"]])
+def test_greedy_speculative_equals_incremental(pair, tree, ssms):
+    llm, drafts = pair["llm"], [pair[s] for s in ssms]
+    stats = Stats()
+    for prompt in PROMPTS:
+        want = tokens(llm, prompt)
+        assert tokens(llm, prompt, ssms=drafts, tree=parse_widths(TREES[tree]), stats=stats) == want
+    assert all(rt.sequences() == [] for rt in [llm] + drafts)  # every model released its state
+    assert sum(stats.tokens_per_step) == stats.new_tokens
+    if "close" in ssms and tree != "wide":
+        assert stats.mean_tokens_per_step > 2.0  # long paths really were accepted
+        assert stats.accepted_draft_tokens > 0
+
+
+def test_edge_cases_stay_exact(pair):
+    llm, close = pair["llm"], [pair["close"]]
+    prompt = PROMPTS[0]
+    free = tokens(llm, prompt, n=30)
+    # a tree of one node: the budget leaves only the root
+    assert tokens(llm, prompt, n=30, ssms=close, budget=1) == free
+    # EOS inside an accepted path: nothing after it is emitted
+    stats = Stats()
+    eos = free[7]
+    out = [t for s in generate_ids(llm, prompt, max_new_tokens=30, eos_ids=[eos], ssms=close, stats=stats) for t in s]
+    assert out == free[:free.index(eos) + 1] and stats.stop_reason == "eos"
+    # max tokens reached in the middle of an accepted path
+    for n in (1, 2, 5, 11):
+        stats = Stats()
+        assert tokens(llm, prompt, n=n, ssms=close, stats=stats) == free[:n] and stats.new_tokens == n
+    # context capacity: the LLM's context ends inside a would-be tree
+    small = OrtRuntime(pair["llm"].dir, max_context=len(prompt) + 9)
+    stats = Stats()
+    out = tokens(small, prompt, n=30, ssms=close, stats=stats)
+    assert out == free[:10] and stats.stop_reason == "context capacity"
+
+
+def test_ssm_with_another_vocabulary_is_refused(pair, tmp_path):
+    other = make_checkpoint(tmp_path / "v", "llama2", vocab_size=400)
+    with pytest.raises(SpecInferError, match="SSM 0 has vocab size 400 but the LLM has 320"):
+        tokens(pair["llm"], [1, 2], ssms=[TorchRuntime(other, max_context=64)])
+
+
+# --- multi-step speculative sampling keeps the LLM's distribution --------------------------------
+V = 8
+TRIALS = 2500
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    """An LLM and two unrelated SSMs over 8 tokens, so that p and q really differ."""
+    root = tmp_path_factory.mktemp("tiny_vocab")
+    def mk(name, seed):
+        ckpt = make_checkpoint(root / name, "llama2", seed=seed, vocab_size=V, hidden=32, eos_token_id=None)
+        return OrtRuntime(export_model(ckpt, root / f"{name}_onnx", max_context=32, progress=False).out_dir, threads=1)
+    return mk("llm", 1), mk("ssm_a", 2), mk("ssm_b", 3)
+
+
+def first_two_counts(llm, ssms, tree, params, trials=TRIALS):
+    counts = np.zeros((V, V))
+    for seed in range(trials):
+        out = tokens(llm, [3, 1, 4], n=2, eos=None, ssms=ssms, tree=tree,
+                     params=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed))
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def exact_first_two(llm, params):
+    seq = llm.start()
+    p1 = probabilities(llm.score(seq, [3, 1, 4])[-1], params)
+    llm.commit(seq, [])
+    p2 = np.stack([probabilities(llm.score(seq, [3, 1, 4, x])[-1], params) for x in range(V) if llm.commit(seq, []) is None])
+    llm.release(seq)
+    return p1[:, None] * p2
+
+
+def chi_square_p(counts, expected_probs):
+    mask = expected_probs.reshape(-1) * counts.sum() >= 5  # the usual validity rule for chi-square cells
+    obs, exp = counts.reshape(-1), expected_probs.reshape(-1) * counts.sum()
+    if (~mask).any():  # pool the rare cells into one
+        obs, exp = np.append(obs[mask], obs[~mask].sum()), np.append(exp[mask], exp[~mask].sum())
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs"])
+def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
+    llm, a, b = tiny_vocab
+    ssms = [a] if setup == "one SSM" else [a, b]
+    params = SamplingParams(temperature=1.0)
+    counts = first_two_counts(llm, ssms, [3, 2], params)
+    p = chi_square_p(counts, exact_first_two(llm, params))
+    assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(tiny_vocab, monkeypatch):
+    llm, a, _ = tiny_vocab
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(verify_module, "residual", lambda p, q: p)  # forget the rejected mass
+    counts = first_two_counts(llm, [a], [3, 2], params)
+    assert chi_square_p(counts, exact_first_two(llm, params)) < 1e-6
+
+
+def test_cli_speculative_equals_incremental(pair):
+    import subprocess
+    import sys
+    run = lambda *extra: subprocess.run(
+        [sys.executable, "-m", "specinfer.cli", "generate", "--llm", str(pair["llm"].dir), "def f(x):",
+         "--max-tokens", "24", *extra], capture_output=True, text=True, timeout=120)
+    plain = run()
+    spec = run("--ssm", str(pair["close"].dir), "--ssm", str(pair["far"].dir), "--tree", "1,1,3,1,1", "--stats")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and "tokens/step" in spec.stderr
