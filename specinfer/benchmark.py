@@ -45,3 +45,34 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
         finally:
             runtime.release(seq)
     return results
+
+
+def compare_trees(llm: Runtime, ssms: Sequence[Runtime], trees: dict[str, Sequence[int]],
+                  prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                  eos_ids: Sequence[int] = (), progress: bool = True) -> list[dict]:
+    """Incremental decoding and speculative decoding with each tree shape, greedy, on the same prompts
+    in one run; every speculative output must equal the incremental one token for token."""
+    from tqdm import tqdm
+
+    from .generate import Stats, generate_ids
+
+    runs = {"incremental": ([], [1])} | {f"tree {name}": (ssms, shape) for name, shape in trees.items()}
+    reference: list[list[int]] = []
+    rows = []
+    for name, (drafts, shape) in runs.items():
+        stats = Stats()
+        for i, prompt in enumerate(tqdm(prompts, desc=name, disable=not progress, leave=False)):
+            out = [t for step in generate_ids(llm, prompt, ssms=drafts, tree=shape, max_new_tokens=max_new_tokens,
+                                              eos_ids=eos_ids, stats=stats) for t in step]
+            if name == "incremental":
+                reference.append(out)
+            elif out != reference[i]:
+                raise AssertionError(f"{name}: output differs from incremental decoding on prompt {i}")
+        rows.append({"contender": name, "tree": ",".join(map(str, shape)) if drafts else "-",
+                     "tokens_per_s": stats.tokens_per_second, "tokens_per_step": stats.mean_tokens_per_step,
+                     "ssm_s": stats.ssm_seconds, "llm_s": stats.llm_seconds, "other_s": stats.other_seconds,
+                     "histogram": stats.histogram})
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base if base else 0.0
+    return rows

@@ -63,6 +63,28 @@ def cmd_steptime(a) -> None:
             json.dump(rows, f, indent=2)
 
 
+def cmd_bench(a) -> None:
+    from .benchmark import compare_trees, markdown_table
+    from .pipeline import Pipeline
+    from .speculate import parse_widths
+
+    a.tree = a.tree or ["1,1,1,1,1,1,1,1", "4,2,1", "1,1,3,1,1,1,1,1"]
+    pipe = Pipeline(a.llm, a.ssm, engine=a.engine, threads=a.threads)
+    if not pipe.ssms:
+        raise SpecInferError("bench needs at least one --ssm")
+    prompts = [pipe.encode(line) for line in open(a.prompts).read().split("\n\n") if line.strip()]
+    trees = {t: parse_widths(t) for t in a.tree}
+    rows = compare_trees(pipe.llm, pipe.ssms, trees, prompts, a.max_tokens, pipe.eos_ids)
+    print(markdown_table(
+        ["contender", "tree", "tokens/s", "speedup", "tokens/step", "SSM s", "LLM s", "other s"],
+        [[r["contender"], r["tree"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['tokens_per_step']:.2f}",
+          f"{r['ssm_s']:.2f}", f"{r['llm_s']:.2f}", f"{r['other_s']:.2f}"] for r in rows]))
+    print(f"all speculative outputs identical to incremental decoding on {len(prompts)} prompts")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specinfer", description="Tree-based speculative inference (SpecInfer).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
+    p = sub.add_parser("bench", help="incremental vs speculative decoding, side by side, outputs checked equal")
+    p.add_argument("--llm", required=True)
+    p.add_argument("--ssm", action="append", default=[])
+    p.add_argument("--tree", action="append", default=None, help="tree shape (repeat); default: chain, wide, SpecInfer's")
+    p.add_argument("--prompts", required=True, help="text file, prompts separated by blank lines")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--engine", choices=["onnxruntime", "torch"], default="onnxruntime")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -37,6 +37,13 @@ def check_vocab(llm: Runtime, ssms: Sequence[Runtime]) -> None:
                                  "an SSM must use the LLM's tokenizer")
 
 
+def top_k(logits: np.ndarray, k: int) -> list[int]:
+    """The k largest logits' tokens, best first, ties to the lower id (as argmax breaks them)."""
+    k = min(k, len(logits))
+    part = np.argpartition(-logits, k - 1)[:k]  # O(V), not a full sort of the vocabulary
+    return [int(t) for t in part[np.lexsort((part, -logits[part]))]]
+
+
 def sample_without_replacement(p: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
     """Up to k distinct tokens: draw one from p, zero it, renormalize, draw again; stop if no mass is left."""
     p = np.array(p, dtype=np.float64)
@@ -100,7 +107,7 @@ class SSMDrafter:
                 if k <= 0:
                     break
                 if params.greedy:
-                    q, tokens = None, np.argsort(-node_logits, kind="stable")[:k]
+                    q, tokens = None, top_k(node_logits, k)
                 else:
                     q = probabilities(node_logits, params)
                     tokens = sample_without_replacement(q, k, rng)

@@ -58,6 +58,9 @@ class OrtRuntime(Runtime):
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.inter_op_num_threads = 1
+        # Several sessions (LLM, SSMs) take turns on few cores: threads that spin-wait after their
+        # work would steal the cores from the session that runs next.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.providers = providers or default_providers()
         self.session = ort.InferenceSession(str(self.dir / self.manifest["onnx"]), options,
                                             providers=self.providers)
