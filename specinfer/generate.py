@@ -4,15 +4,20 @@ Every step the LLM scores a token tree in one Runtime call and keeps a verified 
 of its own (the bonus). The tree's root is the last emitted token, which no model has in its KV
 cache yet; with no SSM the tree is that root alone and a step is one incremental decoding step.
 
-    prefill(prompt[:-1]); root = prompt[-1]
-    loop: SSMs draft trees from root -> merge -> LLM scores the tree -> verify -> commit -> emit
+    start(prompt[:-1]); root = prompt[-1]
+    loop: step(root) = SSMs draft trees from root -> merge -> LLM scores the tree -> verify -> commit
+          emit path[1:] + [bonus] up to a stop condition; root = bonus
+
+A :class:`Speculator` does one sequence's steps: :class:`LocalSpeculator` in this process, or the
+Triton orchestrator's, whose step is one call of the ``spec_step`` ensemble. :func:`decode` is the
+one loop over either.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -69,6 +74,126 @@ class Stats:
                 f"other {self.other_seconds:.2f} s; stop: {self.stop_reason}")
 
 
+class Speculator(Protocol):
+    """One sequence's speculation and verification, wherever the models run."""
+
+    max_context: int
+
+    def start(self, prefix: list[int]) -> None:
+        """Put the prompt minus its last token (the first root) in every model's cache."""
+
+    def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        """Draft from ``root``, verify, commit; return the accepted path's tokens (root first) and
+        the LLM's bonus token. The tree has at most ``budget`` nodes."""
+
+    def release(self) -> None:
+        """Free the sequence's state in every model."""
+
+
+class LocalSpeculator:
+    """Speculation with the LLM and SSM Runtimes in this process."""
+
+    def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), tree: Sequence[int] = DEFAULT_TREE,
+                 params: SamplingParams = SamplingParams(), stats: Stats | None = None, seq_id=None):
+        check_vocab(llm, ssms)
+        self.llm, self.tree, self.params = llm, list(tree), params
+        self.max_context = llm.max_context
+        self.stats = stats if stats is not None else Stats()
+        self.rng = np.random.default_rng(params.seed)
+        self.seq = llm.start(seq_id)
+        self.drafters: list[SSMDrafter] = []
+        try:
+            self.drafters = [SSMDrafter(rt, i, seq_id=seq_id) for i, rt in enumerate(ssms)]
+        except BaseException:
+            self.release()
+            raise
+        self.last_path: list[int] = []
+
+    def start(self, prefix: list[int]) -> None:
+        t0 = time.perf_counter()
+        if prefix:
+            self.llm.prefill(self.seq, prefix)
+        t1 = time.perf_counter()
+        for d in self.drafters:
+            d.prefill(prefix)
+        self.stats.llm_seconds += t1 - t0
+        self.stats.ssm_seconds += time.perf_counter() - t1
+
+    def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        t0 = time.perf_counter()
+        trees = []
+        for d in self.drafters:
+            if self.last_path:
+                d.commit(self.last_path)  # the SSMs learn last step's verdict before they draft
+            if budget > 1:
+                trees.append(d.draft(root, self.tree, self.params, self.rng, budget))
+        token_tree = merge(trees, budget)[0] if trees else TokenTree(root)
+        t1 = time.perf_counter()
+        logits = self.llm.score(self.seq, token_tree.tokens, token_tree.parents)
+        verdict = verify(token_tree, logits, self.params, self.rng)
+        self.llm.commit(self.seq, verdict.path)
+        self.stats.ssm_seconds += t1 - t0
+        self.stats.llm_seconds += time.perf_counter() - t1
+        self.stats.draft_tokens += len(token_tree) - 1
+        self.stats.accepted_draft_tokens += len(verdict.path) - 1
+        self.last_path = [token_tree.tokens[i] for i in verdict.path]
+        return self.last_path, verdict.bonus
+
+    def release(self) -> None:
+        self.llm.release(self.seq)
+        for d in self.drafters:
+            d.release()
+
+
+def check_request(prompt: Sequence[int], max_new_tokens: int, max_context: int) -> None:
+    """The request errors every entry point reports the same way."""
+    if not len(prompt):
+        raise SpecInferError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise SpecInferError(f"max tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt) >= max_context:
+        raise SpecInferError(f"the prompt has {len(prompt)} tokens; the context holds {max_context} "
+                             f"(prompt plus at least one new token)")
+
+
+def decode(speculator: Speculator, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+           budget: int = DEFAULT_BUDGET, stats: Stats | None = None) -> Iterator[list[int]]:
+    """The loop: yield each step's new token ids until EOS (included), ``max_new_tokens`` or the
+    context capacity. Releases the speculator's state however the loop ends."""
+    prompt = [int(t) for t in prompt]
+    stats = stats if stats is not None else Stats()  # accumulates over the requests it is given
+    eos = set(int(e) for e in eos_ids)
+    started = time.perf_counter()
+    try:
+        check_request(prompt, max_new_tokens, speculator.max_context)
+        if budget < 1:
+            raise SpecInferError(f"tree budget must be >= 1 node, got {budget}")
+        stats.prompt_tokens += len(prompt)
+        speculator.start(prompt[:-1])
+        length, root, produced, stop = len(prompt) - 1, prompt[-1], 0, ""
+        while not stop:
+            room = speculator.max_context - length
+            if room < 1:
+                stats.stop_reason = "context capacity"
+                return
+            path, bonus = speculator.step(root, min(budget, room))
+            length += len(path)
+            new = path[1:] + [bonus]
+            for i, token in enumerate(new):  # stop conditions may fall inside the accepted path
+                if token in eos or produced + i + 1 >= max_new_tokens:
+                    new = new[:i + 1]
+                    stop = stats.stop_reason = "eos" if token in eos else "max tokens"
+                    break
+            produced += len(new)
+            stats.new_tokens += len(new)
+            stats.tokens_per_step.append(len(new))
+            yield new
+            root = bonus
+    finally:
+        speculator.release()
+        stats.total_seconds += time.perf_counter() - started
+
+
 def generate_ids(
     llm: Runtime,
     prompt: Sequence[int],
@@ -81,71 +206,10 @@ def generate_ids(
     budget: int = DEFAULT_BUDGET,
     stats: Stats | None = None,
 ) -> Iterator[list[int]]:
-    """Yield the new token ids of each step until EOS (included), ``max_new_tokens`` or the context
-    capacity. Greedy output is token for token the LLM's own greedy decoding; sampled output is
-    distributed as the LLM's own sampling (multi-step speculative sampling)."""
-    prompt = [int(t) for t in prompt]
-    if not prompt:
-        raise SpecInferError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise SpecInferError(f"max tokens must be >= 1, got {max_new_tokens}")
-    if budget < 1:
-        raise SpecInferError(f"tree budget must be >= 1 node, got {budget}")
-    if len(prompt) >= llm.max_context:
-        raise SpecInferError(f"the prompt has {len(prompt)} tokens; the context holds {llm.max_context} "
-                             f"(prompt plus at least one new token)")
-    check_vocab(llm, ssms)
-    stats = stats if stats is not None else Stats()  # accumulates over the requests it is given
-    stats.prompt_tokens += len(prompt)
-    rng = np.random.default_rng(params.seed)
-    eos = set(int(e) for e in eos_ids)
-    started = time.perf_counter()
-    seq = llm.start()
-    drafters = [SSMDrafter(rt, i) for i, rt in enumerate(ssms)]
-    try:
-        t0 = time.perf_counter()
-        if len(prompt) > 1:
-            llm.prefill(seq, prompt[:-1])
-        t1 = time.perf_counter()
-        for d in drafters:
-            d.prefill(prompt[:-1])
-        stats.llm_seconds += t1 - t0
-        stats.ssm_seconds += time.perf_counter() - t1
-        root, produced, stop = prompt[-1], 0, ""
-        while not stop:
-            room = llm.capacity(seq) - llm.length(seq)
-            if room < 1:
-                stats.stop_reason = "context capacity"
-                return
-            limit = min(budget, room)
-            t0 = time.perf_counter()
-            trees = [d.draft(root, tree, params, rng, limit) for d in drafters] if limit > 1 else []
-            token_tree = merge(trees, limit)[0] if trees else TokenTree(root)
-            t1 = time.perf_counter()
-            logits = llm.score(seq, token_tree.tokens, token_tree.parents)
-            verdict = verify(token_tree, logits, params, rng)
-            llm.commit(seq, verdict.path)
-            t2 = time.perf_counter()
-            path_tokens = [token_tree.tokens[i] for i in verdict.path]
-            for d in drafters:
-                d.commit(path_tokens)
-            stats.ssm_seconds += (t1 - t0) + (time.perf_counter() - t2)
-            stats.llm_seconds += t2 - t1
-            stats.draft_tokens += len(token_tree) - 1
-            stats.accepted_draft_tokens += len(verdict.path) - 1
-            new = path_tokens[1:] + [verdict.bonus]
-            for i, token in enumerate(new):  # stop conditions may fall inside the accepted path
-                if token in eos or produced + i + 1 >= max_new_tokens:
-                    new = new[:i + 1]
-                    stop = stats.stop_reason = "eos" if token in eos else "max tokens"
-                    break
-            produced += len(new)
-            stats.new_tokens += len(new)
-            stats.tokens_per_step.append(len(new))
-            yield new
-            root = verdict.bonus
-    finally:
-        llm.release(seq)
-        for d in drafters:
-            d.release()
-        stats.total_seconds += time.perf_counter() - started
+    """Speculative generation in this process: yield the new token ids of each step until EOS
+    (included), ``max_new_tokens`` or the context capacity. Greedy output is token for token the
+    LLM's own greedy decoding; sampled output is distributed as the LLM's own sampling (multi-step
+    speculative sampling)."""
+    stats = stats if stats is not None else Stats()
+    check_request(prompt, max_new_tokens, llm.max_context)
+    return decode(LocalSpeculator(llm, ssms, tree, params, stats), prompt, max_new_tokens, eos_ids, budget, stats)

@@ -31,6 +31,8 @@ class TextStream:
         self.ids: list[int] = []
         self.prefix = 0  # ids before this are emitted and decode to stable text
         self.read = 0    # ids before this are emitted
+        # The last emitted piece as ids: its text is decode(context + ids) minus decode(context).
+        self.window: tuple[list[int], list[int]] = ([], [])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -41,6 +43,7 @@ class TextStream:
         before = self._decode(self.ids[self.prefix:self.read])
         now = self._decode(self.ids[self.prefix:])
         if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.window = (self.ids[self.prefix:self.read], self.ids[self.read:])
             self.prefix, self.read = self.read, len(self.ids)
             return now[len(before):]
         return ""
@@ -49,5 +52,12 @@ class TextStream:
         """Whatever is still held back (at the end of a stream)."""
         before = self._decode(self.ids[self.prefix:self.read])
         now = self._decode(self.ids[self.prefix:])
+        self.window = (self.ids[self.prefix:self.read], self.ids[self.read:])
         self.prefix = self.read = len(self.ids)
         return now[len(before):]
+
+
+def decode_piece(tokenizer, context: list[int], ids: list[int]) -> str:
+    """The text that ``ids`` add after ``context`` (stateless; see :attr:`TextStream.window`)."""
+    before = tokenizer.decode(list(context), skip_special_tokens=True)
+    return tokenizer.decode(list(context) + list(ids), skip_special_tokens=True)[len(before):]

@@ -82,3 +82,40 @@ def exported(tmp_path_factory, checkpoints):
 
     root = tmp_path_factory.mktemp("onnx")
     return {f: export_model(d, root / f, max_context=256, progress=False).out_dir for f, d in checkpoints.items()}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served_pair(tmp_path_factory, checkpoints):
+    """An LLM, an SSM made of its first layer (agrees often) and an unrelated SSM, exported (fp32)."""
+    from specinfer.checkpoints import truncate_layers
+    from specinfer.export import export_model
+
+    root = tmp_path_factory.mktemp("served")
+    llm = make_checkpoint(root / "llm", "llama3", seed=5, layers=4)
+    close = truncate_layers(llm, root / "close", 1)
+    export = lambda d, name: export_model(d, root / f"{name}_onnx", max_context=256, progress=False).out_dir
+    return {"llm": export(llm, "llm"), "ssms": [export(close, "close"), export(checkpoints["qwen2"], "far")]}
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, served_pair):
+    """A real tritonserver on 127.0.0.1 serving a repository of `served_pair`, for the whole session."""
+    import importlib.util
+    if importlib.util.find_spec("pytriton") is None and not __import__("shutil").which("tritonserver"):
+        pytest.skip("no tritonserver here (pip install --no-deps nvidia-pytriton)")
+    from specinfer.repo import write_repository
+    from specinfer.server import TritonServer
+
+    root = tmp_path_factory.mktemp("triton")
+    repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1")
+    server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=root / "server.log")
+    server.start(timeout=240)
+    yield server
+    server.stop()

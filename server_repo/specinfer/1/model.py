@@ -1,0 +1,81 @@
+"""specinfer: the orchestrator. Prefill, then one speculation step after another until a stop
+condition, streaming tokens as they are accepted (decoupled) or answering once (not decoupled).
+
+mode "ensemble": each step is one BLS call of the spec_step ensemble (ssm_<i> -> tree_builder -> llm).
+mode "fused": draft, tree construction and verification run in this process (lowest latency).
+Requests run on threads of their own, so one instance serves many sequences at once.
+"""
+import os
+import sys
+
+# Triton's Python stub embeds its own interpreter, which ignores PYTHONPATH: `specinfer serve`
+# passes the package folders of its environment in SPECINFER_PYTHONPATH.
+sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+
+import triton_python_backend_utils as pb  # noqa: E402
+
+import threading  # noqa: E402
+import uuid  # noqa: E402
+
+from specinfer import triton_glue as glue  # noqa: E402
+from specinfer.engines.loader import load_runtime  # noqa: E402
+from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
+from specinfer.engines.loader import onnx_folder  # noqa: E402
+from specinfer.errors import SpecInferError  # noqa: E402
+from specinfer.generate import LocalSpeculator  # noqa: E402
+from specinfer.serving import Orchestrator, RemoteSpeculator  # noqa: E402
+from specinfer.speculate import parse_widths  # noqa: E402
+from specinfer.text import load_tokenizer  # noqa: E402
+
+INPUTS = ["input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
+          "stop_words", "exclude_input_in_output", "tree"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = glue.parameters(args)
+        self.decoupled = glue.is_decoupled(pb, args)
+        tree, ssm_dirs = parse_widths(p["tree"]), [d for d in p["ssm_dirs"].split(os.pathsep) if d]
+        if p["mode"] == "fused":
+            threads = int(p["threads"]) or None
+            llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
+            ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
+            max_context, config = llm.max_context, llm.config
+            make = lambda req, stats: LocalSpeculator(llm, ssms, req.tree or tree, req.params, stats,
+                                                      seq_id=uuid.uuid4().hex)
+        else:
+            manifest = read_manifest(onnx_folder(p["llm_dir"]))
+            max_context, eos = manifest["max_context"], manifest["config"]["eos_token_ids"]
+            names = [f"ssm_{i}" for i in range(len(ssm_dirs))]
+            call = lambda model, inputs: glue.bls(pb, model, inputs)
+            make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
+                                                       req.tree, stats)
+            config = None
+        eos_ids = list(config.eos_token_ids) if config is not None else eos
+        self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, make,
+                                         int(p["budget"]))
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return [self.answer(r) for r in requests]
+        for r in requests:
+            threading.Thread(target=self.stream, args=(r,), daemon=True).start()
+        return None
+
+    def answer(self, request):
+        try:
+            inputs = glue.read(pb, request, INPUTS)
+            if inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
+                raise SpecInferError("streaming needs the decoupled models (ensemble, specinfer)")
+            *_, (tensors, _) = self.orchestrator.run(inputs)
+            return glue.response(pb, tensors)
+        except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
+            return glue.error(pb, e)
+
+    def stream(self, request):
+        sender = request.get_response_sender()
+        try:
+            for tensors, final in self.orchestrator.run(glue.read(pb, request, INPUTS), sender.is_cancelled):
+                sender.send(glue.response(pb, tensors), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as e:  # noqa: BLE001
+            sender.send(glue.error(pb, e), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,30 @@
+"""ssm_<i>: one speculative model; per sequence: prefill, then each step commit + draft a tree."""
+import os
+import sys
+
+# Triton's Python stub embeds its own interpreter, which ignores PYTHONPATH: `specinfer serve`
+# passes the package folders of its environment in SPECINFER_PYTHONPATH.
+sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+
+import triton_python_backend_utils as pb  # noqa: E402
+
+from specinfer import triton_glue as glue  # noqa: E402
+from specinfer.engines.loader import load_runtime  # noqa: E402
+from specinfer.serving import DraftModel  # noqa: E402
+from specinfer.speculate import parse_widths  # noqa: E402
+
+INPUTS = ["op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = glue.parameters(args)
+        runtime = load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None)
+        self.model = DraftModel(runtime, int(p["index"]), parse_widths(p["tree"]))
+        self.metrics = glue.Metrics(pb, args["model_name"])
+
+    def execute(self, requests):
+        out = [glue.handle(pb, r, INPUTS, lambda t: glue.timed(lambda: self.model.handle(t), self.metrics.step_seconds))
+               for r in requests]
+        self.metrics.update(self.model)
+        return out

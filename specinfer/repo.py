@@ -1,0 +1,99 @@
+"""`specinfer repo`: a ready Triton model repository from the templates in ``server_repo/``.
+
+Every model folder's ``config.pbtxt`` is rendered from its ``config.pbtxt.in`` (``${name}``
+placeholders) and its ``1/model.py`` copied as it is. Models are exported (ONNX) before the server
+starts, so loading the repository never exports.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from string import Template
+
+from .engines.loader import onnx_folder
+from .engines.onnxruntime import read_manifest
+from .errors import SpecInferError
+from .generate import DEFAULT_BUDGET
+from .speculate import parse_widths
+
+TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
+               ("proposal_node", "TYPE_INT32", "-1"), ("proposal_ssm", "TYPE_INT32", "-1"),
+               ("proposal_rank", "TYPE_INT32", "-1"), ("proposal_q", "TYPE_FP32", "-1, -1"))
+SSM_INPUTS = ("op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed")
+# (name, orchestrator mode, decoupled): the decoupled pair streams and answers /generate; the
+# "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled models.
+ORCHESTRATORS = (("specinfer", "ensemble", True), ("specinfer_fused", "fused", True), ("specinfer_sync", "ensemble", False))
+ENSEMBLES = (("ensemble", "specinfer"), ("ensemble_fused", "specinfer_fused"), ("ensemble_sync", "specinfer_sync"))
+
+
+def templates_dir() -> Path:
+    """``server_repo/`` beside the package (a source checkout or an editable install)."""
+    path = Path(os.environ.get("SPECINFER_TEMPLATES", Path(__file__).resolve().parent.parent / "server_repo"))
+    if not (path / "llm" / "config.pbtxt.in").is_file():
+        raise SpecInferError(f"model repository templates not found in {path} (set SPECINFER_TEMPLATES)")
+    return path
+
+
+def _render(template: Path, out: Path, **values) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(Template(template.read_text()).substitute(**{k: str(v) for k, v in values.items()}))
+
+
+def _model(src: str, dst_name: str, repo: Path, **values) -> None:
+    tpl = templates_dir() / src
+    _render(tpl / "config.pbtxt.in", repo / dst_name / "config.pbtxt", **values)
+    (repo / dst_name / "1").mkdir(parents=True, exist_ok=True)
+    if (tpl / "1" / "model.py").is_file():
+        shutil.copy(tpl / "1" / "model.py", repo / dst_name / "1" / "model.py")
+
+
+def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = "1,1,3,1,1,1,1,1",
+                     engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0) -> Path:
+    """Write the repository to ``out`` and return it. ``engines``: a folder of TensorRT engines
+    (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime."""
+    parse_widths(tree)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
+        raise SpecInferError(f"{out} exists and is not a specinfer model repository")
+    llm_dir = onnx_folder(llm).resolve()
+    ssm_dirs = [onnx_folder(s).resolve() for s in ssms]
+    manifest = read_manifest(llm_dir)
+    vocab = manifest["config"]["vocab_size"]
+    for d in ssm_dirs:
+        if read_manifest(d)["config"]["vocab_size"] != vocab:
+            raise SpecInferError(f"SSM {d} has another vocabulary size than the LLM ({vocab})")
+    engine = "onnxruntime"
+    if engines is not None:
+        engine, engines = "tensorrt", Path(engines).resolve()
+        llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
+    if out.exists():
+        shutil.rmtree(out)
+    tokenizer_dir = onnx_folder(llm).resolve()
+    common = dict(engine=engine, threads=threads)
+    _model("preprocessing", "preprocessing", out, tokenizer_dir=tokenizer_dir)
+    _model("postprocessing", "postprocessing", out, tokenizer_dir=tokenizer_dir)
+    _model("llm", "llm", out, model_dir=llm_dir, **common)
+    for i, d in enumerate(ssm_dirs):
+        _model("ssm", f"ssm_{i}", out, name=f"ssm_{i}", model_dir=d, index=i, tree=tree, **common)
+    n = len(ssm_dirs)
+    ssm_inputs = "".join(f',\n  {{ name: "{f}_{i}" data_type: {t} dims: [ {d} ] }}' for i in range(n) for f, t, d in TREE_FIELDS)
+    _model("tree_builder", "tree_builder", out, ssm_inputs=ssm_inputs, num_ssms=n, vocab_size=vocab)
+    ssm_steps = "".join(
+        f'\n    {{\n      model_name: "ssm_{i}"\n      model_version: -1\n'
+        + "".join(f'      input_map {{ key: "{k}" value: "{k}" }}\n' for k in SSM_INPUTS)
+        + "".join(f'      output_map {{ key: "{f}" value: "{f}_{i}" }}\n' for f, _, _ in TREE_FIELDS)
+        + "    },"
+        for i in range(n))
+    builder_inputs = "".join(f'\n      input_map {{ key: "{f}_{i}" value: "{f}_{i}" }}' for i in range(n) for f, _, _ in TREE_FIELDS)
+    _model("spec_step", "spec_step", out, ssm_steps=ssm_steps, builder_inputs=builder_inputs)
+    for name, mode, decoupled in ORCHESTRATORS:
+        _model("specinfer", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
+               ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
+               **common)
+    for name, orchestrator in ENSEMBLES:
+        _model("ensemble", name, out, name=name, orchestrator=orchestrator)
+    (out / "specinfer_repository.json").write_text(json.dumps(
+        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine}, indent=2))
+    return out

@@ -1,0 +1,437 @@
+"""What each Triton model of ``server_repo/`` does, as plain Python over numpy arrays.
+
+The ``model.py`` files only move tensors between Triton and these classes, so everything here is
+tested without a server. Request tensors use the names Triton's LLM clients already send
+(``text_input``, ``max_tokens``, ``stream``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``,
+``end_id``, ``stop_words``, ``exclude_input_in_output``) plus ours (``tree``).
+
+Models and their state: ``ssm_<i>`` (:class:`DraftModel`) and ``llm`` (:class:`VerifyModel`) keep
+one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes; ``tree_builder``
+(:func:`build_tree`) and the pre/post-processing are stateless. The orchestrator runs
+:func:`specinfer.generate.decode` over a :class:`RemoteSpeculator` whose step is one call of the
+``spec_step`` ensemble.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterator
+
+import numpy as np
+
+from .engines.runtime import Runtime
+from .errors import SpecInferError
+from .generate import DEFAULT_BUDGET, Stats, check_request, decode
+from .sampling import SamplingParams
+from .speculate import SSMDrafter, parse_widths
+from .text import TextStream, decode_piece
+from .tree import Proposal, TokenTree, merge
+from .verify import verify
+
+Tensors = dict[str, np.ndarray]
+MAX_STOP_WORDS = 16
+
+
+# --- reading request tensors ---------------------------------------------------------------------
+def _scalar(inputs: Tensors, name: str, kind: str, default):
+    """One value from an optional [1] tensor of the right kind ('i', 'f', 'b'), else an error."""
+    if name not in inputs or inputs[name] is None:
+        return default
+    a = np.asarray(inputs[name])
+    if a.size != 1:
+        raise SpecInferError(f"'{name}' must hold one value, got shape {list(a.shape)}")
+    kinds = {"i": "iu", "f": "fiu", "b": "b"}[kind]
+    if a.dtype.kind not in kinds:
+        raise SpecInferError(f"'{name}' has the wrong type {a.dtype} (expected {dict(i='an integer', f='a number', b='a bool')[kind]})")
+    value = a.reshape(-1)[0]
+    return {"i": int, "f": float, "b": bool}[kind](value)
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecInferError(f"'{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if isinstance(value, str):
+        return value
+    raise SpecInferError(f"'{name}' must be text (BYTES), got {type(value).__name__}")
+
+
+def text_input(inputs: Tensors) -> str:
+    if inputs.get("text_input") is None:
+        raise SpecInferError("missing input 'text_input'")
+    a = np.asarray(inputs["text_input"], dtype=object)
+    if a.size != 1:
+        raise SpecInferError(f"'text_input' must hold one string, got shape {list(a.shape)}")
+    text = _text(a.reshape(-1)[0], "text_input")
+    if not text:
+        raise SpecInferError("'text_input' is empty")
+    return text
+
+
+@dataclass
+class GenerationRequest:
+    """One generation request as the orchestrator reads it."""
+
+    prompt: list[int]
+    max_tokens: int = 128
+    stream: bool = False
+    params: SamplingParams = SamplingParams()
+    end_id: int | None = None
+    stop_words: list[str] = field(default_factory=list)
+    exclude_input: bool = False
+    tree: list[int] | None = None
+
+
+def read_request(inputs: Tensors, max_context: int) -> GenerationRequest:
+    """Validate the orchestrator's inputs; every problem is a SpecInferError naming the input."""
+    if inputs.get("input_ids") is None:
+        raise SpecInferError("missing input 'input_ids'")
+    ids = np.asarray(inputs["input_ids"])
+    if ids.dtype.kind not in "iu":
+        raise SpecInferError(f"'input_ids' must be integers, got {ids.dtype}")
+    prompt = [int(t) for t in ids.reshape(-1)]
+    max_tokens = _scalar(inputs, "max_tokens", "i", 128)
+    if not 1 <= max_tokens <= max_context:
+        raise SpecInferError(f"'max_tokens' must be in 1..{max_context} (the context), got {max_tokens}")
+    check_request(prompt, max_tokens, max_context)
+    params = SamplingParams(temperature=_scalar(inputs, "temperature", "f", 0.0),
+                            top_k=_scalar(inputs, "top_k", "i", 0), top_p=_scalar(inputs, "top_p", "f", 1.0),
+                            seed=_scalar(inputs, "random_seed", "i", None))
+    stops = []
+    if inputs.get("stop_words") is not None:
+        stops = [_text(w, "stop_words") for w in np.asarray(inputs["stop_words"], dtype=object).reshape(-1)]
+        stops = [w for w in stops if w]
+        if len(stops) > MAX_STOP_WORDS:
+            raise SpecInferError(f"at most {MAX_STOP_WORDS} stop words, got {len(stops)}")
+    tree = None
+    if inputs.get("tree") is not None:
+        tree = parse_widths(_text(np.asarray(inputs["tree"], dtype=object).reshape(-1)[0], "tree"))
+    return GenerationRequest(prompt, max_tokens, _scalar(inputs, "stream", "b", False), params,
+                             _scalar(inputs, "end_id", "i", None), stops,
+                             _scalar(inputs, "exclude_input_in_output", "b", False), tree)
+
+
+def sampling_from(inputs: Tensors) -> SamplingParams:
+    return SamplingParams(_scalar(inputs, "temperature", "f", 0.0), _scalar(inputs, "top_k", "i", 0),
+                          _scalar(inputs, "top_p", "f", 1.0), _scalar(inputs, "random_seed", "i", None))
+
+
+# --- pre- and postprocessing -----------------------------------------------------------------------
+def preprocess(tokenizer, inputs: Tensors) -> Tensors:
+    return {"input_ids": np.asarray(tokenizer.encode(text_input(inputs)).ids, dtype=np.int64)}
+
+
+def postprocess(tokenizer, inputs: Tensors) -> Tensors:
+    context = [int(t) for t in np.asarray(inputs.get("context_ids", np.zeros(0))).reshape(-1)]
+    ids = [int(t) for t in np.asarray(inputs["output_ids"]).reshape(-1)]
+    return {"text_output": np.array([decode_piece(tokenizer, context, ids).encode()], dtype=object)}
+
+
+# --- trees as tensors ----------------------------------------------------------------------------
+def tree_to_tensors(tree: TokenTree, vocab_size: int) -> Tensors:
+    """A tree as flat arrays: per node token and parent, and per proposal (node, ssm, rank, q)."""
+    rows = [(node, p.ssm, p.rank, p.q) for node, props in enumerate(tree.proposals) for p in props]
+    sampled = any(q is not None for *_, q in rows)
+    return {
+        "tree_tokens": np.asarray(tree.tokens, dtype=np.int64),
+        "tree_parents": np.asarray(tree.parents, dtype=np.int32),
+        "proposal_node": np.asarray([r[0] for r in rows], dtype=np.int32),
+        "proposal_ssm": np.asarray([r[1] for r in rows], dtype=np.int32),
+        "proposal_rank": np.asarray([r[2] for r in rows], dtype=np.int32),
+        # q is needed only under sampling; greedy trees send an empty [0, V] array.
+        "proposal_q": (np.stack([r[3] for r in rows]).astype(np.float32) if sampled
+                       else np.zeros((0, vocab_size), dtype=np.float32)),
+    }
+
+
+def tensors_to_tree(t: Tensors) -> TokenTree:
+    tokens, parents = np.asarray(t["tree_tokens"]).reshape(-1), np.asarray(t["tree_parents"]).reshape(-1)
+    if len(tokens) == 0 or len(tokens) != len(parents) or parents[0] != -1:
+        raise SpecInferError("malformed tree: tokens and parents must have the same length, root first")
+    tree = TokenTree(int(tokens[0]))
+    q = np.asarray(t["proposal_q"], dtype=np.float64)
+    by_node: dict[int, list[Proposal]] = {}
+    for i, (node, ssm, rank) in enumerate(zip(*(np.asarray(t[k]).reshape(-1) for k in
+                                                  ("proposal_node", "proposal_ssm", "proposal_rank")))):
+        by_node.setdefault(int(node), []).append(Proposal(int(ssm), int(rank), q[i] if len(q) else None))
+    for node in range(1, len(tokens)):
+        props = by_node.get(node) or [None]
+        for p in props:  # the first add creates the node, the others add the other SSMs' proposals
+            index = tree.add(int(parents[node]), int(tokens[node]), p)
+        if index != node:
+            raise SpecInferError("malformed tree: nodes must be in topological order without duplicates")
+    return tree
+
+
+def build_tree(root: int, trees: list[Tensors], budget: int, vocab_size: int) -> Tensors:
+    """The ``tree_builder`` model: merge the SSMs' trees under one node budget."""
+    parsed = [tensors_to_tree(t) for t in trees]
+    if any(p.tokens[0] != root for p in parsed):
+        raise SpecInferError("an SSM's tree does not start at the step's root")
+    merged = merge(parsed, max(1, budget))[0] if parsed else TokenTree(root)
+    return tree_to_tensors(merged, vocab_size)
+
+
+# --- the stateful models: drafts and verification --------------------------------------------------
+OPS = ("start", "step", "release")
+
+
+def _op_and_sequence(t: Tensors) -> tuple[str, str]:
+    for name in ("op", "sequence_id"):
+        if t.get(name) is None:
+            raise SpecInferError(f"missing input '{name}'")
+    op = _text(np.asarray(t["op"], dtype=object).reshape(-1)[0], "op")
+    if op not in OPS:
+        raise SpecInferError(f"unknown op '{op}' (one of {', '.join(OPS)})")
+    return op, _text(np.asarray(t["sequence_id"], dtype=object).reshape(-1)[0], "sequence_id")
+
+
+def _ids(t: Tensors, name: str) -> list[int]:
+    return [int(x) for x in np.asarray(t.get(name, np.zeros(0, np.int64))).reshape(-1)]
+
+
+class _Sequences:
+    """Per-sequence state of a model, safe under concurrent requests."""
+
+    def __init__(self):
+        self.items: dict[Hashable, object] = {}
+        self.lock = threading.Lock()
+
+    def add(self, seq_id, item):
+        with self.lock:
+            if seq_id in self.items:
+                raise SpecInferError(f"sequence {seq_id!r} is already open")
+            self.items[seq_id] = item
+
+    def get(self, seq_id):
+        with self.lock:
+            if seq_id not in self.items:
+                raise SpecInferError(f"unknown sequence {seq_id!r} (never started, or released)")
+            return self.items[seq_id]
+
+    def pop(self, seq_id):
+        with self.lock:
+            return self.items.pop(seq_id, None)
+
+    def __len__(self):
+        return len(self.items)
+
+
+class DraftModel:
+    """``ssm_<i>``: one SSM's sequences; a step commits last step's verdict, then drafts a tree."""
+
+    def __init__(self, runtime: Runtime, index: int, tree: list[int]):
+        self.runtime, self.index, self.default_tree = runtime, index, tree
+        self.sequences = _Sequences()
+
+    def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
+        drafter = SSMDrafter(self.runtime, self.index, seq_id=seq_id)
+        try:
+            drafter.prefill(prefix)
+        except BaseException:
+            drafter.release()
+            raise
+        # Each model has its own random stream, derived from the request's seed and its role.
+        rng = np.random.default_rng(None if params.seed is None else [params.seed, 1 + self.index])
+        self.sequences.add(seq_id, (drafter, rng))
+
+    def step(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
+             tree: list[int] | None = None) -> Tensors:
+        drafter, rng = self.sequences.get(seq_id)
+        if accepted:
+            drafter.commit(accepted)
+        # Without room for a tree, no draft: the next commit keeps the root as catch-up.
+        draft = drafter.draft(root, tree or self.default_tree, params, rng, budget) if budget > 1 else TokenTree(root)
+        return tree_to_tensors(draft, self.runtime.vocab_size)
+
+    def handle(self, t: Tensors) -> Tensors:
+        """One request of the ``ssm_<i>`` model: op start (prefill), step (commit + draft) or release."""
+        op, seq = _op_and_sequence(t)
+        if op == "start":
+            self.start(seq, _ids(t, "tokens"), sampling_from(t))
+        elif op == "release":
+            self.release(seq)
+        else:
+            tree = parse_widths(_text(np.asarray(t["tree"], dtype=object).reshape(-1)[0], "tree")) if "tree" in t else None
+            return self.step(seq, _ids(t, "tokens"), _scalar(t, "root", "i", None), sampling_from(t),
+                             _scalar(t, "budget", "i", DEFAULT_BUDGET), tree)
+        return tree_to_tensors(TokenTree(0), self.runtime.vocab_size)
+
+    def release(self, seq_id) -> bool:
+        item = self.sequences.pop(seq_id)
+        if item is not None:
+            item[0].release()
+        return item is not None
+
+    def kv_bytes(self) -> int:
+        return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
+
+
+class VerifyModel:
+    """``llm``: the LLM's sequences; a step scores the merged tree in one call, verifies, commits."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.sequences = _Sequences()
+
+    def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
+        self.runtime.start(seq_id)
+        try:
+            if prefix:
+                self.runtime.prefill(seq_id, prefix)
+        except BaseException:
+            self.runtime.release(seq_id)
+            raise
+        self.sequences.add(seq_id, np.random.default_rng(None if params.seed is None else [params.seed, 0]))
+
+    def step(self, seq_id, tree: TokenTree, params: SamplingParams) -> tuple[list[int], int]:
+        rng = self.sequences.get(seq_id)
+        logits = self.runtime.score(seq_id, tree.tokens, tree.parents)
+        verdict = verify(tree, logits, params, rng)
+        self.runtime.commit(seq_id, verdict.path)
+        return [tree.tokens[i] for i in verdict.path], verdict.bonus
+
+    def handle(self, t: Tensors) -> Tensors:
+        """One request of the ``llm`` model: op start (prefill), step (verify + commit) or release."""
+        op, seq = _op_and_sequence(t)
+        path, bonus, drafted = [], -1, 0
+        if op == "start":
+            self.start(seq, _ids(t, "tokens"), sampling_from(t))
+        elif op == "release":
+            self.release(seq)
+        else:
+            tree = tensors_to_tree(t)
+            path, bonus = self.step(seq, tree, sampling_from(t))
+            drafted = len(tree) - 1
+        return {"accepted_tokens": np.asarray(path, dtype=np.int64), "bonus": np.array([bonus], dtype=np.int64),
+                "draft_tokens": np.array([drafted], dtype=np.int32)}
+
+    def release(self, seq_id) -> bool:
+        rng = self.sequences.pop(seq_id)
+        self.runtime.release(seq_id)
+        return rng is not None
+
+    def kv_bytes(self) -> int:
+        return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
+
+
+# --- the orchestrator --------------------------------------------------------------------------------
+class RemoteSpeculator:
+    """A Speculator whose models live elsewhere: ``call(model, inputs) -> outputs`` reaches them
+    (Triton BLS in the server; plain method calls in tests)."""
+
+    def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
+                 max_context: int, params: SamplingParams, tree: list[int] | None, stats: Stats):
+        self.call, self.ssm_names, self.seq_id = call, ssm_names, seq_id
+        self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
+        self.started: list[str] = []
+        self.last_path: list[int] = []
+
+    def _common(self, op: str) -> Tensors:
+        t = {"op": np.array([op.encode()], dtype=object), "sequence_id": np.array([self.seq_id.encode()], dtype=object),
+             "temperature": np.array([self.params.temperature], dtype=np.float32),
+             "top_k": np.array([self.params.top_k], dtype=np.int32),
+             "top_p": np.array([self.params.top_p], dtype=np.float32)}
+        if self.params.seed is not None:
+            t["random_seed"] = np.array([self.params.seed], dtype=np.uint64)
+        return t
+
+    def start(self, prefix: list[int]) -> None:
+        inputs = self._common("start") | {"tokens": np.asarray(prefix, dtype=np.int64)}
+        for name in ["llm"] + self.ssm_names:
+            self.call(name, inputs)
+            self.started.append(name)
+
+    def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        inputs = self._common("step") | {"tokens": np.asarray(self.last_path, dtype=np.int64),
+                                         "root": np.array([root], dtype=np.int64),
+                                         "budget": np.array([budget], dtype=np.int32)}
+        if self.tree:
+            inputs["tree"] = np.array([",".join(map(str, self.tree)).encode()], dtype=object)
+        out = self.call("spec_step", inputs)
+        path = [int(t) for t in np.asarray(out["accepted_tokens"]).reshape(-1)]
+        self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])
+        self.stats.accepted_draft_tokens += len(path) - 1
+        self.last_path = path
+        return path, int(np.asarray(out["bonus"]).reshape(-1)[0])
+
+    def release(self) -> None:
+        inputs = self._common("release")
+        for name in self.started:
+            try:
+                self.call(name, inputs)
+            except Exception:  # noqa: BLE001 - release every model even if one fails
+                pass
+        self.started = []
+
+
+@dataclass
+class Piece:
+    """One response of the orchestrator: ids whose text is final, and the stats so far."""
+
+    context_ids: list[int]
+    output_ids: list[int]
+    stats: Stats
+    final: bool
+
+
+def stats_tensors(stats: Stats) -> Tensors:
+    return {
+        "accepted_tokens_per_step": np.array([",".join(map(str, stats.tokens_per_step)).encode()], dtype=object),
+        "total_draft_tokens": np.array([stats.draft_tokens], dtype=np.int32),
+        "total_accepted_draft_tokens": np.array([stats.accepted_draft_tokens], dtype=np.int32),
+    }
+
+
+def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list[int],
+                budget: int = DEFAULT_BUDGET, cancelled: Callable[[], bool] = lambda: False,
+                stats: Stats | None = None) -> Iterator[Piece]:
+    """Drive one request: stream pieces as their text becomes final (UTF-8 safe), stop at EOS,
+    ``end_id``, a stop word, ``max_tokens`` or a cancellation; or, unstreamed, one final piece."""
+    stats = stats if stats is not None else Stats()
+    eos = [request.end_id] if request.end_id is not None else list(eos_ids)
+    text = TextStream(tokenizer)
+    produced: list[int] = []
+    generation = decode(speculator, request.prompt, request.max_tokens, eos, budget, stats)
+    try:
+        for ids in generation:
+            produced += ids
+            piece = text.push(ids)
+            if request.stop_words and any(w in tokenizer.decode(produced) for w in request.stop_words):
+                stats.stop_reason = "stop word"
+                break
+            if cancelled():
+                stats.stop_reason = "cancelled"
+                break
+            if request.stream and piece:
+                yield Piece(*text.window, stats, final=False)
+    finally:
+        generation.close()  # releases every model's state, whatever ended the loop
+    if not request.stream:
+        ids = produced if request.exclude_input else request.prompt + produced
+        yield Piece([], ids, stats, final=True)
+        return
+    text.flush()
+    yield Piece(*text.window, stats, final=True)
+
+
+class Orchestrator:
+    """The ``specinfer`` model: reads a request, runs the loop, yields response tensors."""
+
+    def __init__(self, tokenizer, max_context: int, eos_ids: list[int],
+                 make_speculator: Callable[[GenerationRequest, Stats], object], budget: int = DEFAULT_BUDGET):
+        self.tokenizer, self.max_context, self.eos_ids = tokenizer, max_context, list(eos_ids)
+        self.make_speculator, self.budget = make_speculator, budget
+
+    def run(self, inputs: Tensors, cancelled: Callable[[], bool] = lambda: False,
+            stats: Stats | None = None) -> Iterator[tuple[Tensors, bool]]:
+        """Yield (response tensors, final) pairs; the last one is final."""
+        request = read_request(inputs, self.max_context)
+        stats = stats if stats is not None else Stats()
+        speculator = self.make_speculator(request, stats)
+        for piece in run_request(speculator, request, self.tokenizer, self.eos_ids, self.budget, cancelled, stats):
+            yield ({"output_ids": np.asarray(piece.output_ids, dtype=np.int64),
+                    "context_ids": np.asarray(piece.context_ids, dtype=np.int64)} | stats_tensors(piece.stats),
+                   piece.final)
