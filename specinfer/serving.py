@@ -140,7 +140,8 @@ def tree_to_tensors(tree: TokenTree, vocab_size: int) -> Tensors:
         "proposal_node": np.asarray([r[0] for r in rows], dtype=np.int32),
         "proposal_ssm": np.asarray([r[1] for r in rows], dtype=np.int32),
         "proposal_rank": np.asarray([r[2] for r in rows], dtype=np.int32),
-        # q is needed only under sampling; greedy trees send an empty [0, V] array.
+        # q is needed only under sampling (greedy trees send an empty [0, V] array); it travels as
+        # float32, so acceptance probabilities are exact to float32 rounding (~1e-7 relative).
         "proposal_q": (np.stack([r[3] for r in rows]).astype(np.float32) if sampled
                        else np.zeros((0, vocab_size), dtype=np.float32)),
     }

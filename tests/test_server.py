@@ -1,0 +1,203 @@
+"""A real tritonserver on 127.0.0.1 (started once per session by the `triton_server` fixture)."""
+import json
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from specinfer import Pipeline
+
+PROMPTS = ["def f(x):", "import os\n", "class A:", "for i in range(10):", "x = [", "while True:", "# a", "return"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def expected(served_pair):
+    """In-process greedy generation with the same models: what every protocol must return."""
+    pipe = Pipeline(served_pair["llm"], ssms=served_pair["ssms"], tree="1,1,3,1,1,1")
+    return {p: pipe.generate(p, N) for p in PROMPTS}
+
+
+def post(server, path, body, timeout=120):
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def generate(server, model="ensemble", **body):
+    status, text = post(server, f"/v2/models/{model}/generate", {"max_tokens": N, "exclude_input_in_output": True} | body)
+    return status, json.loads(text)
+
+
+def sse(server, model="ensemble", **body):
+    status, text = post(server, f"/v2/models/{model}/generate_stream",
+                        {"max_tokens": N, "exclude_input_in_output": True, "stream": True} | body)
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+def grpc_stream(server, prompt, model="ensemble", cancel_after=None, **extra):
+    """Text pieces of a gRPC bidirectional stream (optionally cancelled after a few responses)."""
+    import tritonclient.grpc as grpcclient
+    results = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = {"text_input": np.array([prompt.encode()], dtype=object), "max_tokens": np.array([N], np.int32),
+              "stream": np.array([True]), "exclude_input_in_output": np.array([True])} | extra
+    tensors = []
+    for name, value in inputs.items():
+        t = grpcclient.InferInput(name, list(value.shape), {"O": "BYTES", "i": "INT32", "b": "BOOL"}[value.dtype.kind])
+        t.set_data_from_numpy(value)
+        tensors.append(t)
+    client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+    pieces = []
+    while True:
+        result, error = results.get(timeout=120)
+        if error is not None:
+            raise RuntimeError(str(error))
+        out = result.as_numpy("text_output")
+        if out is not None:
+            pieces.append(out[0].decode())
+        if cancel_after is not None and len(pieces) >= cancel_after:
+            client.stop_stream(cancel_requests=True)
+            return pieces
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    return pieces
+
+
+def metric(server, name, model):
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    m = re.search(rf'^{name}{{model="{model}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("model", ["ensemble", "ensemble_fused"])
+def test_http_generate_and_stream_equal_in_process(triton_server, expected, model):
+    for prompt in PROMPTS[:4]:
+        status, body = generate(triton_server, model, text_input=prompt)
+        assert status == 200, body
+        assert body["text_output"] == expected[prompt]
+        steps = [int(s) for s in body["accepted_tokens_per_step"].split(",")]
+        assert body["total_draft_tokens"] > 0 and sum(steps) <= N
+        events = sse(triton_server, model, text_input=prompt)
+        assert "".join(e.get("text_output", "") for e in events) == expected[prompt]
+        assert not any("error" in e for e in events)
+
+
+def test_http_and_grpc_infer_equal_in_process(triton_server, expected):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    for module, url in ((httpclient, triton_server.http_url), (grpcclient, triton_server.grpc_url)):
+        client = module.InferenceServerClient(url)
+        for prompt in PROMPTS[:3]:
+            inputs = []
+            for name, value, kind in (("text_input", np.array([prompt.encode()], dtype=object), "BYTES"),
+                                      ("max_tokens", np.array([N], np.int32), "INT32"),
+                                      ("exclude_input_in_output", np.array([True]), "BOOL")):
+                t = module.InferInput(name, list(value.shape), kind)
+                t.set_data_from_numpy(value)
+                inputs.append(t)
+            result = client.infer("ensemble_sync", inputs)
+            assert result.as_numpy("text_output")[0].decode() == expected[prompt]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "ensemble_fused"])
+def test_grpc_streaming_equals_in_process(triton_server, expected, model):
+    pieces = grpc_stream(triton_server, PROMPTS[0], model)
+    assert len(pieces) > 1 and "".join(pieces) == expected[PROMPTS[0]]
+
+
+def test_eight_concurrent_streams_are_all_exact(triton_server, expected):
+    results, errors = {}, []
+
+    def worker(prompt):
+        try:
+            results[prompt] = "".join(grpc_stream(triton_server, prompt))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and results == expected
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "text_input"),
+    ({"text_input": ""}, "'text_input' is empty"),
+    ({"text_input": "x " * 600}, "the prompt has"),
+    ({"text_input": "hi", "max_tokens": 0}, "'max_tokens' must be in 1..256"),
+    ({"text_input": "hi", "max_tokens": 10**9}, "'max_tokens' must be in 1..256"),
+    ({"text_input": "hi", "temperature": -1.0}, "temperature must be >= 0"),
+    ({"text_input": "hi", "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"text_input": ["a", "b"]}, "text_input"),
+    ({"text_input": "hi", "tree": "1,x"}, "tree widths"),
+])
+def test_bad_requests_get_errors_and_the_server_keeps_serving(triton_server, expected, body, message):
+    status, text = post(triton_server, "/v2/models/ensemble/generate", body)
+    assert status >= 400 and message in json.loads(text)["error"]
+    status, good = generate(triton_server, text_input=PROMPTS[1])
+    assert status == 200 and good["text_output"] == expected[PROMPTS[1]]
+
+
+def test_wrong_dtype_and_shape_are_named(triton_server, expected):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+    client = httpclient.InferenceServerClient(triton_server.http_url)
+
+    def infer(**tensors):
+        inputs = []
+        for name, (value, kind) in tensors.items():
+            t = httpclient.InferInput(name, list(value.shape), kind)
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        return client.infer("ensemble_sync", inputs)
+    text = (np.array([b"hi"], dtype=object), "BYTES")
+    with pytest.raises(InferenceServerException, match="max_tokens"):
+        infer(text_input=text, max_tokens=(np.array([3.0], np.float32), "FP32"))
+    with pytest.raises(InferenceServerException, match="max_tokens"):
+        infer(text_input=text, max_tokens=(np.array([[3, 4]], np.int32), "INT32"))
+    assert generate(triton_server, text_input=PROMPTS[2])[1]["text_output"] == expected[PROMPTS[2]]
+
+
+def test_invalid_utf8_and_unknown_model(triton_server, expected):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    t = grpcclient.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([b"caf\xc3"], dtype=object))
+    with pytest.raises(InferenceServerException, match="not valid UTF-8"):
+        client.infer("ensemble_sync", [t])
+    with pytest.raises(InferenceServerException, match="nosuchmodel"):
+        client.infer("nosuchmodel", [t])
+    assert generate(triton_server, text_input=PROMPTS[2])[1]["text_output"] == expected[PROMPTS[2]]
+
+
+def test_disconnect_releases_state_and_others_finish(triton_server, expected):
+    other = {}
+    runner = threading.Thread(target=lambda: other.update(text="".join(grpc_stream(triton_server, PROMPTS[3]))))
+    runner.start()
+    pieces = grpc_stream(triton_server, PROMPTS[4], cancel_after=1, max_tokens=np.array([200], np.int32))
+    assert pieces
+    runner.join(timeout=300)
+    assert other["text"] == expected[PROMPTS[3]]
+    models = ["llm", "ssm_0", "ssm_1"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(metric(triton_server, "specinfer_active_sequences", m) for m in models):
+        time.sleep(0.5)
+    assert [metric(triton_server, "specinfer_active_sequences", m) for m in models] == [0, 0, 0]
+    assert metric(triton_server, "specinfer_kv_bytes", "llm") == 0
+    text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
+    count = re.search(r'^specinfer_accepted_tokens_per_step_count{model="llm"} (\S+)$', text, re.M)
+    assert count and float(count.group(1)) > 0

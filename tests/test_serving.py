@@ -1,0 +1,184 @@
+"""The serving layer without a server: request validation, trees as tensors, and the whole
+orchestration over in-process model objects wired as the spec_step ensemble wires them."""
+import threading
+
+import numpy as np
+import pytest
+
+from specinfer.engines.onnxruntime import OrtRuntime
+from specinfer.errors import SpecInferError
+from specinfer.generate import Stats, generate_ids
+from specinfer.sampling import SamplingParams
+from specinfer.serving import (DraftModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree, postprocess,
+                               preprocess, read_request, tensors_to_tree, tree_to_tensors)
+from specinfer.text import TextStream, decode_piece, load_tokenizer
+from specinfer.tree import Proposal, TokenTree
+
+TREE = [1, 1, 3, 1, 1, 1]
+
+
+def ids(*values):
+    return np.asarray(values, dtype=np.int64)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({}, "missing input 'input_ids'"),
+    ({"input_ids": ids()}, "the prompt is empty"),
+    ({"input_ids": ids(*range(300))}, "the prompt has 300 tokens"),
+    ({"input_ids": ids(1, 2), "max_tokens": np.array([0], np.int32)}, "'max_tokens' must be in 1..256"),
+    ({"input_ids": ids(1, 2), "max_tokens": np.array([10**9], np.int64)}, "'max_tokens' must be in 1..256"),
+    ({"input_ids": ids(1, 2), "max_tokens": np.array([1.5], np.float32)}, "'max_tokens' has the wrong type"),
+    ({"input_ids": ids(1, 2), "max_tokens": np.array([1, 2], np.int32)}, "'max_tokens' must hold one value"),
+    ({"input_ids": ids(1, 2), "temperature": np.array([-1], np.float32)}, "temperature must be >= 0"),
+    ({"input_ids": ids(1, 2), "top_p": np.array([0], np.float32)}, "top_p must be in (0, 1]"),
+    ({"input_ids": ids(1, 2), "top_p": np.array([1.5], np.float32)}, "top_p must be in (0, 1]"),
+    ({"input_ids": ids(1, 2), "tree": np.array([b"1,0"], object)}, "tree widths must all be >= 1"),
+    ({"input_ids": ids(1, 2), "stop_words": np.array([b"\xff"], object)}, "'stop_words' is not valid UTF-8"),
+])
+def test_bad_requests_name_the_problem(inputs, message):
+    with pytest.raises(SpecInferError) as e:
+        read_request(inputs, max_context=256)
+    assert message in str(e.value)
+
+
+def test_preprocessing_errors(served_pair):
+    tok = load_tokenizer(served_pair["llm"])
+    for inputs, message in [({}, "missing input 'text_input'"), ({"text_input": np.array([b""], object)}, "is empty"),
+                            ({"text_input": np.array([b"ab\xc3"], object)}, "not valid UTF-8"),
+                            ({"text_input": np.array([b"a", b"b"], object)}, "must hold one string")]:
+        with pytest.raises(SpecInferError, match=message):
+            preprocess(tok, inputs)
+    assert preprocess(tok, {"text_input": np.array([b"def f"], object)})["input_ids"].tolist() == tok.encode("def f").ids
+
+
+def test_streamed_text_is_utf8_safe(served_pair):
+    tok = load_tokenizer(served_pair["llm"])
+    text = "naïve café – π ≈ 3.14 🐍 fin"
+    token_ids = tok.encode(text).ids[1:]  # byte-level BPE: multi-byte characters span tokens
+    stream, pieces = TextStream(tok), []
+    for t in token_ids:
+        piece = stream.push([t])
+        assert "\ufffd" not in piece
+        if piece:  # what postprocessing makes of the window is the same piece
+            assert decode_piece(tok, *stream.window) == piece
+            pieces.append(piece)
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    out = postprocess(tok, {"output_ids": np.asarray(token_ids), "context_ids": np.zeros(0, np.int64)})
+    assert out["text_output"][0].decode() == text
+
+
+def test_tree_tensors_round_trip():
+    tree = TokenTree(7)
+    q = np.full(10, 0.1)
+    a = tree.add(0, 3, Proposal(0, 0, q))
+    tree.add(0, 4, Proposal(0, 1, q))
+    tree.add(a, 5, Proposal(1, 0, q * 2))
+    tree.add(0, 3, Proposal(1, 0, q / 2))  # a second SSM proposes the same token: one node, two proposals
+    back = tensors_to_tree(tree_to_tensors(tree, 10))
+    assert back.tokens == tree.tokens and back.parents == tree.parents
+    # q travels as float32 (exact to float32 rounding)
+    assert [[(p.ssm, p.rank, float(np.float32(p.q[0]))) for p in ps] for ps in back.proposals] == \
+        [[(p.ssm, p.rank, float(np.float32(p.q[0]))) for p in ps] for ps in tree.proposals]
+    with pytest.raises(SpecInferError, match="does not start at the step's root"):
+        build_tree(8, [tree_to_tensors(tree, 10)], 16, 10)
+
+
+@pytest.fixture(scope="module")
+def models(served_pair):
+    llm = OrtRuntime(served_pair["llm"])
+    ssms = [OrtRuntime(d) for d in served_pair["ssms"]]
+    return llm, ssms, VerifyModel(llm), [DraftModel(rt, i, TREE) for i, rt in enumerate(ssms)]
+
+
+def local_call(verify_model, draft_models):
+    """What Triton does for each model name: spec_step wires ssm_<i> -> tree_builder -> llm."""
+    def call(name, inputs):
+        if name == "llm":
+            return verify_model.handle(inputs)
+        if name.startswith("ssm_"):
+            return draft_models[int(name[4:])].handle(inputs)
+        trees = [m.handle(inputs) for m in draft_models]
+        merged = build_tree(int(inputs["root"][0]), trees, int(inputs["budget"][0]), verify_model.runtime.vocab_size)
+        return verify_model.handle(inputs | merged)
+    return call
+
+
+def orchestrator(models, cancel_after=None):
+    llm, _, verify_model, draft_models = models
+    tok = load_tokenizer(llm.dir)
+    counter = iter(range(10**6))
+    make = lambda req, stats: RemoteSpeculator(local_call(verify_model, draft_models), [f"ssm_{i}" for i in range(len(draft_models))],
+                                               f"seq-{next(counter)}-{threading.get_ident()}", llm.max_context,
+                                               req.params, req.tree, stats)
+    return Orchestrator(tok, llm.max_context, list(llm.config.eos_token_ids), make), tok
+
+
+def request(tok, text, **extra):
+    return {"input_ids": np.asarray(tok.encode(text).ids, dtype=np.int64),
+            "max_tokens": np.array([40], np.int32)} | extra
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_orchestration_equals_in_process_greedy(models, stream):
+    llm, ssms, verify_model, draft_models = models
+    orch, tok = orchestrator(models)
+    for text in ["def f(x):", "import os\n", "class A:"]:
+        want = [t for s in generate_ids(llm, tok.encode(text).ids, ssms=ssms, tree=TREE, max_new_tokens=40,
+                                        eos_ids=llm.config.eos_token_ids) for t in s]
+        responses = list(orch.run(request(tok, text, stream=np.array([stream]), exclude_input_in_output=np.array([True]))))
+        assert [final for _, final in responses] == [False] * (len(responses) - 1) + [True]
+        pieces = [postprocess(tok, t)["text_output"][0].decode() for t, _ in responses]
+        assert "".join(pieces) == tok.decode(want)
+        steps = [int(x) for x in responses[-1][0]["accepted_tokens_per_step"][0].decode().split(",")]
+        assert sum(steps) == len(want)
+    assert len(verify_model.sequences) == 0 and all(len(m.sequences) == 0 for m in draft_models)
+    assert llm.sequences() == [] and all(rt.sequences() == [] for rt in ssms)
+
+
+def test_prompt_in_output_end_id_and_stop_words(models):
+    orch, tok = orchestrator(models)
+    (full, _), = orch.run(request(tok, "def f(x):"))
+    text = postprocess(tok, full)["text_output"][0].decode()
+    assert text.startswith("def f(x):")
+    generated = text[len("def f(x):"):]
+    word = generated[5:8]
+    (stopped, _), = orch.run(request(tok, "def f(x):", stop_words=np.array([word.encode()], object)))
+    stopped_text = postprocess(tok, stopped)["text_output"][0].decode()
+    assert word in stopped_text and len(stopped_text) < len(text)
+    first = int(tok.encode("def f(x):" + generated).ids[len(tok.encode("def f(x):").ids)])
+    (ended, _), = orch.run(request(tok, "def f(x):", end_id=np.array([first], np.int32),
+                                   exclude_input_in_output=np.array([True])))
+    assert ended["output_ids"].tolist() == [first]
+
+
+def test_concurrent_sequences_do_not_see_each_other(models):
+    orch, tok = orchestrator(models)
+    prompts = ["def f(x):", "import sys", "class B(A):", "for i in range(3):"]
+    alone = {p: list(orch.run(request(tok, p)))[-1][0]["output_ids"].tolist() for p in prompts}
+    results = {}
+
+    def worker(p):
+        results[p] = list(orch.run(request(tok, p)))[-1][0]["output_ids"].tolist()
+    threads = [threading.Thread(target=worker, args=(p,)) for p in prompts * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+
+
+def test_cancellation_releases_every_model(models):
+    _, _, verify_model, draft_models = models
+    orch, tok = orchestrator(models)
+    calls = iter(range(100))
+    responses = list(orch.run(request(tok, "def f(x):", stream=np.array([True])), cancelled=lambda: next(calls) >= 2))
+    assert responses[-1][1] and len(responses) <= 4
+    assert len(verify_model.sequences) == 0 and all(len(m.sequences) == 0 for m in draft_models)
+
+
+def test_sampled_requests_are_reproducible(models):
+    orch, tok = orchestrator(models)
+    r = lambda seed: list(orch.run(request(tok, "x = ", temperature=np.array([1.0], np.float32),
+                                           random_seed=np.array([seed], np.uint64))))[-1][0]["output_ids"].tolist()
+    assert r(5) == r(5) and r(5) != r(6)
