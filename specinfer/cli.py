@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import SpecInferError
 
@@ -25,6 +26,24 @@ def cmd_export(a) -> None:
         msg += " (validated, max |logit diff| vs PyTorch: " + \
             ", ".join(f"{k} {v:.2e}" for k, v in r.max_abs_diff.items()) + ")"
     print(msg)
+
+
+def cmd_build(a) -> None:
+    from .engines.tensorrt_build import build_engines
+
+    path = build_engines(a.onnx_dir, a.output, max_batch=a.max_batch, max_tree_tokens=a.max_tree_tokens,
+                         max_context=a.max_context, attention=a.attention, progress=not a.quiet)
+    print(f"wrote {path} ({a.attention} attention); check it with `specinfer validate {a.output}`")
+
+
+def cmd_validate(a) -> None:
+    from .engines.tensorrt_build import TOLERANCE, read_engine_manifest, validate_engine
+
+    report = validate_engine(a.engine_dir)
+    tol = TOLERANCE[read_engine_manifest(a.engine_dir)["dtype"]]
+    for case, diffs in report.items():
+        print(f"{case}: max |TensorRT - ONNX Runtime| " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    print(f"passed (atol {tol['atol']}, rtol {tol['rtol']})")
 
 
 def cmd_generate(a) -> None:
@@ -85,6 +104,42 @@ def cmd_bench(a) -> None:
             json.dump(rows, f, indent=2)
 
 
+def cmd_repo(a) -> None:
+    from .repo import write_repository
+
+    repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads)
+    print(f"wrote {repo} (models: {', '.join(sorted(p.name for p in repo.iterdir() if p.is_dir()))})")
+
+
+def cmd_serve(a) -> None:
+    import signal
+    import tempfile
+    import time
+
+    from .repo import write_repository
+    from .server import TritonServer
+
+    repo = a.repo
+    if repo is None:  # the embedded default models
+        from .demo import DEMO_DIR, demo_exports
+        llm, ssm = demo_exports(DEMO_DIR)
+        repo = write_repository(llm, [ssm], Path(tempfile.mkdtemp(prefix="specinfer-repo-")))
+    server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file)
+    print(f"starting tritonserver on {repo} ...", file=sys.stderr)
+    server.start()
+    print(f"ready: HTTP http://{server.http_url}/v2/models/ensemble/generate  gRPC {server.grpc_url}  "
+          f"metrics {server.metrics_url}  (Ctrl-C stops)")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while server.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping tritonserver ...", file=sys.stderr)
+        server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specinfer", description="Tree-based speculative inference (SpecInfer).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="default: max_position_embeddings")
     p.add_argument("--no-validate", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("build", help="build a TensorRT engine folder from an fp16/bf16 ONNX export (NVIDIA GPU)")
+    p.add_argument("onnx_dir")
+    p.add_argument("-o", "--output", required=True, help="engine folder to write")
+    p.add_argument("--max-batch", type=int, default=1)
+    p.add_argument("--max-tree-tokens", type=int, default=64, help="tokens one verification step scores (<= 256)")
+    p.add_argument("--max-context", type=int, default=None, help="default: the export's max context")
+    p.add_argument("--attention", choices=["plugin", "native"], default="plugin",
+                   help="plugin: our tree-attention kernel (default); native: TensorRT's attention layer, no plugin")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("validate", help="compare a TensorRT engine folder with ONNX Runtime on the same inputs")
+    p.add_argument("engine_dir")
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("generate", help="generate text (speculative when SSMs are given)")
     p.add_argument("prompt")
@@ -119,6 +189,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
+    p = sub.add_parser("repo", help="write a Triton model repository for an LLM and its SSMs")
+    p.add_argument("--llm", required=True)
+    p.add_argument("--ssm", action="append", default=[])
+    p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`)")
+    p.add_argument("--tree", default="1,1,3,1,1,1,1,1")
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads per model (0: all cores)")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_repo)
+
+    p = sub.add_parser("serve", help="serve a model repository from tritonserver (default: the embedded models)")
+    p.add_argument("repo", nargs="?", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-file", default=None)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("bench", help="incremental vs speculative decoding, side by side, outputs checked equal")
     p.add_argument("--llm", required=True)
     p.add_argument("--ssm", action="append", default=[])

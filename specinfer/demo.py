@@ -15,10 +15,11 @@ import sysconfig
 from pathlib import Path
 
 from .checkpoints import truncate_layers
+from .engines.loader import cache_dir
 from .generate import Stats
 from .sampling import SamplingParams
 
-DEMO_DIR = Path("out/demo")
+DEMO_DIR = cache_dir() / "demo"
 
 
 def make_demo_models(root: Path) -> tuple[Path, Path]:
@@ -51,8 +52,21 @@ def make_demo_models(root: Path) -> tuple[Path, Path]:
     return llm, ssm
 
 
-def main(argv: list[str] | None = None) -> None:
+def demo_exports(root: Path) -> tuple[Path, Path]:
+    """The demo LLM and SSM, exported (made and exported on first use)."""
     from .export import export_model
+
+    llm_ckpt, ssm_ckpt = make_demo_models(root / "checkpoints")
+    exports = []
+    for name, ckpt in (("llm", llm_ckpt), ("ssm", ssm_ckpt)):
+        out = root / "onnx" / name
+        if not (out / "manifest.json").is_file():
+            export_model(ckpt, out, max_context=1024)
+        exports.append(out)
+    return exports[0], exports[1]
+
+
+def main(argv: list[str] | None = None) -> None:
     from .pipeline import Pipeline
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,14 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", type=Path, default=DEMO_DIR)
     a = p.parse_args(argv)
 
-    llm_ckpt, ssm_ckpt = make_demo_models(a.dir / "checkpoints")
-    exports = {}
-    for name, ckpt in (("llm", llm_ckpt), ("ssm", ssm_ckpt)):
-        exports[name] = a.dir / "onnx" / name
-        if not (exports[name] / "manifest.json").is_file():
-            export_model(ckpt, exports[name], max_context=1024)
-    runs = {"incremental": Pipeline(exports["llm"]),
-            "speculative": Pipeline(exports["llm"], ssms=[exports["ssm"]])}
+    llm, ssm = demo_exports(a.dir)
+    runs = {"incremental": Pipeline(llm), "speculative": Pipeline(llm, ssms=[ssm])}
     texts = {}
     for name, pipe in runs.items():
         stats = Stats()

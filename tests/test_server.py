@@ -201,3 +201,24 @@ def test_disconnect_releases_state_and_others_finish(triton_server, expected):
     text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
     count = re.search(r'^specinfer_accepted_tokens_per_step_count{model="llm"} (\S+)$', text, re.M)
     assert count and float(count.group(1)) > 0
+
+
+def test_specinfer_serve_starts_answers_and_stops_on_ctrl_c(triton_server):
+    import signal
+    import subprocess
+    import sys
+    from conftest import free_port
+    http = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specinfer.cli", "serve", str(triton_server.repository),
+                             "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the server is ready
+        assert line.startswith("ready:") and f"127.0.0.1:{http}" in line
+        class Server:
+            http_url = f"127.0.0.1:{http}"
+        status, body = generate(Server, text_input="def f(x):")
+        assert status == 200 and body["text_output"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
