@@ -9,7 +9,6 @@ from scipy.stats import chisquare
 
 from conftest import EOS, make_checkpoint
 from specinfer import verify as verify_module
-from specinfer.checkpoints import truncate_layers
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.engines.torch_runtime import TorchRuntime
 from specinfer.errors import SpecInferError
@@ -23,14 +22,10 @@ TREES = {"chain": "1,1,1,1,1,1", "wide": "4,2", "specinfer": "1,1,3,1,1,1,1,1"}
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, checkpoints):
-    """An LLM, an SSM made of its first layer (agrees often) and an unrelated SSM, exported."""
-    root = tmp_path_factory.mktemp("pair")
-    llm = make_checkpoint(root / "llm", "llama3", seed=5, layers=4)
-    close = truncate_layers(llm, root / "close", 1)
-    export = lambda d, name: export_model(d, root / f"{name}_onnx", max_context=256, progress=False).out_dir
-    return {"llm": OrtRuntime(export(llm, "llm")), "close": OrtRuntime(export(close, "close")),
-            "far": OrtRuntime(export(checkpoints["qwen2"], "far"))}
+def pair(served_pair):
+    """The LLM, an SSM made of its first layer (agrees often) and an unrelated SSM, on ONNX Runtime."""
+    close, far = served_pair["ssms"]
+    return {"llm": OrtRuntime(served_pair["llm"]), "close": OrtRuntime(close), "far": OrtRuntime(far)}
 
 
 def tokens(llm, prompt, n=40, eos=EOS, **kw):
