@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from .engines.loader import ENGINES
 from .errors import SpecInferError
 
 
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm", action="append", default=[], help="SSM folder (repeat for several)")
     p.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="children per depth (SpecInfer expansion)")
     p.add_argument("--budget", type=int, default=64, help="tree nodes at most, root included")
-    p.add_argument("--engine", choices=["onnxruntime", "torch"], default="onnxruntime")
+    p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--stats", action="store_true", help="print tokens/s and speculation statistics")
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="128,1024")
     p.add_argument("--trees", default="1,16,64")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--engine", choices=["onnxruntime", "torch"], default="onnxruntime")
+    p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", action="append", default=None, help="tree shape (repeat); default: chain, wide, SpecInfer's")
     p.add_argument("--prompts", required=True, help="text file, prompts separated by blank lines")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--engine", choices=["onnxruntime", "torch"], default="onnxruntime")
+    p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench)

@@ -1,4 +1,5 @@
-"""From a folder to a Runtime: an export is opened as it is; a checkpoint is exported first (cached)."""
+"""From a folder to a Runtime: an export is opened as it is; a checkpoint is exported first (cached);
+a TensorRT engine folder (``specinfer build``) always opens on TensorRT."""
 from __future__ import annotations
 
 import hashlib
@@ -8,11 +9,24 @@ from pathlib import Path
 from ..errors import SpecInferError
 from .runtime import Runtime
 
-ENGINES = ("onnxruntime", "torch")
+ENGINES = ("onnxruntime", "torch", "torch-gpu", "tensorrt")
+TENSORRT_FORMAT = "specinfer-tensorrt/1"  # = tensorrt_build.FORMAT, without importing it
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECINFER_CACHE", Path.home() / ".cache" / "specinfer"))
+
+
+def is_engine_folder(model_dir: str | Path) -> bool:
+    path = Path(model_dir) / "manifest.json"
+    if not path.is_file():
+        return False
+    import json
+
+    try:
+        return json.loads(path.read_text()).get("format") == TENSORRT_FORMAT
+    except ValueError:
+        return False
 
 
 def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
@@ -42,6 +56,23 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
 def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context: int | None = None,
                  threads: int | None = None) -> Runtime:
     """Open a model folder (an export, or a checkpoint) on the chosen engine."""
+    if engine not in ENGINES:
+        raise SpecInferError(f"unknown engine '{engine}' (choose from {', '.join(ENGINES)})")
+    if is_engine_folder(model_dir):
+        if engine not in ("onnxruntime", "tensorrt"):  # onnxruntime is every caller's default
+            raise SpecInferError(f"{model_dir} is a TensorRT engine folder: it runs on the tensorrt engine only")
+        from .tensorrt_runtime import TrtRuntime
+
+        return TrtRuntime(model_dir, max_context=max_context)
+    if engine == "tensorrt":
+        raise SpecInferError(f"the tensorrt engine needs an engine folder built by `specinfer build`; "
+                             f"{model_dir} is not one")
+    if engine == "torch-gpu":
+        from .torch_gpu_runtime import TorchGpuRuntime
+
+        if not (Path(model_dir) / "config.json").is_file():
+            raise SpecInferError(f"the torch-gpu engine needs a checkpoint folder (config.json) in {model_dir}")
+        return TorchGpuRuntime(model_dir, max_context=max_context)
     if engine == "onnxruntime":
         from .onnxruntime import OrtRuntime
 

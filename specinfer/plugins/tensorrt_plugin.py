@@ -153,6 +153,11 @@ def register_plugin() -> None:
     except ImportError as e:
         raise SpecInferError(f"TensorRT's Python plugin API is not available ({e}): install TensorRT 11 "
                              "(pip install 'specinfer[tensorrt]') on a machine with an NVIDIA GPU") from None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise SpecInferError("the TreeAttention plugin's kernel is compiled by OpenAI Triton, which is not installed: "
+                             "pip install 'specinfer[kernels]' (or build with --attention native)") from None
     dtypes = {trt.float16: "fp16", trt.bfloat16: "bf16"}
 
     @trtp.register(PLUGIN_ID)
