@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from .client.cli import add_client_parser
 from .engines.loader import ENGINES
 from .errors import SpecInferError
 
@@ -208,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-file", default=None)
     p.set_defaults(func=cmd_serve)
+
+    add_client_parser(sub)
 
     p = sub.add_parser("bench", help="incremental vs speculative decoding, side by side, outputs checked equal")
     p.add_argument("--llm", required=True)

@@ -390,32 +390,43 @@ def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list
                 budget: int = DEFAULT_BUDGET, cancelled: Callable[[], bool] = lambda: False,
                 stats: Stats | None = None) -> Iterator[Piece]:
     """Drive one request: stream pieces as their text becomes final (UTF-8 safe), stop at EOS,
-    ``end_id``, a stop word, ``max_tokens`` or a cancellation; or, unstreamed, one final piece."""
+    ``end_id``, a stop word (the output ends with the token that completes it), ``max_tokens`` or a
+    cancellation; or, unstreamed, one final piece."""
     stats = stats if stats is not None else Stats()
     eos = [request.end_id] if request.end_id is not None else list(eos_ids)
-    text = TextStream(tokenizer)
+    stream, text = TextStream(tokenizer), ""
     produced: list[int] = []
+    longest = max((len(w) for w in request.stop_words), default=0)
     generation = decode(speculator, request.prompt, request.max_tokens, eos, budget, stats)
     try:
         for ids in generation:
-            produced += ids
-            piece = text.push(ids)
-            if request.stop_words and any(w in tokenizer.decode(produced) for w in request.stop_words):
-                stats.stop_reason = "stop word"
+            context, ready, stop = None, [], False
+            for token in ids:  # token by token, so that a stop word ends the output where it ends
+                produced.append(token)
+                piece = stream.push([token])
+                if piece:
+                    context = stream.window[0] if context is None else context
+                    ready += stream.window[1]
+                    start = max(0, len(text) - longest + 1)
+                    text += piece
+                    if any(w in text[start:] for w in request.stop_words):
+                        stats.stop_reason, stop = "stop word", True
+                        break
+            if request.stream and ready:
+                yield Piece(context, ready, stats, final=False)
+            if stop:
                 break
             if cancelled():
                 stats.stop_reason = "cancelled"
                 break
-            if request.stream and piece:
-                yield Piece(*text.window, stats, final=False)
     finally:
         generation.close()  # releases every model's state, whatever ended the loop
     if not request.stream:
         ids = produced if request.exclude_input else request.prompt + produced
         yield Piece([], ids, stats, final=True)
         return
-    text.flush()
-    yield Piece(*text.window, stats, final=True)
+    stream.flush()
+    yield Piece(*stream.window, stats, final=True)
 
 
 class Orchestrator:
@@ -433,6 +444,8 @@ class Orchestrator:
         stats = stats if stats is not None else Stats()
         speculator = self.make_speculator(request, stats)
         for piece in run_request(speculator, request, self.tokenizer, self.eos_ids, self.budget, cancelled, stats):
+            # The statistics are cumulative: sent once, with the final response (and empty before it,
+            # so that every response has every output).
+            stats_out = stats_tensors(piece.stats if piece.final else Stats())
             yield ({"output_ids": np.asarray(piece.output_ids, dtype=np.int64),
-                    "context_ids": np.asarray(piece.context_ids, dtype=np.int64)} | stats_tensors(piece.stats),
-                   piece.final)
+                    "context_ids": np.asarray(piece.context_ids, dtype=np.int64)} | stats_out, piece.final)

@@ -146,6 +146,9 @@ def test_prompt_in_output_end_id_and_stop_words(models):
     (stopped, _), = orch.run(request(tok, "def f(x):", stop_words=np.array([word.encode()], object)))
     stopped_text = postprocess(tok, stopped)["text_output"][0].decode()
     assert word in stopped_text and len(stopped_text) < len(text)
+    # the output ends with the token that completes the stop word: without it, no stop word
+    without_last = tok.decode(stopped["output_ids"].tolist()[:-1])
+    assert text.startswith(stopped_text) and word not in without_last[len("def f(x):"):]
     first = int(tok.encode("def f(x):" + generated).ids[len(tok.encode("def f(x):").ids)])
     (ended, _), = orch.run(request(tok, "def f(x):", end_id=np.array([first], np.int32),
                                    exclude_input_in_output=np.array([True])))

@@ -66,7 +66,7 @@ class TritonPythonModel:
         try:
             inputs = glue.read(pb, request, INPUTS)
             if inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
-                raise SpecInferError("streaming needs the decoupled models (ensemble, specinfer)")
+                raise SpecInferError("streaming needs a decoupled model: use ensemble or ensemble_fused")
             *_, (tensors, _) = self.orchestrator.run(inputs)
             return glue.response(pb, tensors)
         except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
