@@ -18,9 +18,8 @@ import threading  # noqa: E402
 import uuid  # noqa: E402
 
 from specinfer import triton_glue as glue  # noqa: E402
-from specinfer.engines.loader import load_runtime  # noqa: E402
+from specinfer.engines.loader import load_runtime, onnx_folder  # noqa: E402
 from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
-from specinfer.engines.loader import onnx_folder  # noqa: E402
 from specinfer.errors import SpecInferError  # noqa: E402
 from specinfer.generate import LocalSpeculator  # noqa: E402
 from specinfer.serving import Orchestrator, RemoteSpeculator  # noqa: E402
@@ -40,18 +39,16 @@ class TritonPythonModel:
             threads = int(p["threads"]) or None
             llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
-            max_context, config = llm.max_context, llm.config
+            max_context, eos_ids = llm.max_context, list(llm.config.eos_token_ids)
             make = lambda req, stats: LocalSpeculator(llm, ssms, req.tree or tree, req.params, stats,
                                                       seq_id=uuid.uuid4().hex)
         else:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
-            max_context, eos = manifest["max_context"], manifest["config"]["eos_token_ids"]
+            max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
             names = [f"ssm_{i}" for i in range(len(ssm_dirs))]
             call = lambda model, inputs: glue.bls(pb, model, inputs)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
                                                        req.tree, stats)
-            config = None
-        eos_ids = list(config.eos_token_ids) if config is not None else eos
         self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, make,
                                          int(p["budget"]))
 
