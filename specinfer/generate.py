@@ -211,5 +211,4 @@ def generate_ids(
     LLM's own greedy decoding; sampled output is distributed as the LLM's own sampling (multi-step
     speculative sampling)."""
     stats = stats if stats is not None else Stats()
-    check_request(prompt, max_new_tokens, llm.max_context)
     return decode(LocalSpeculator(llm, ssms, tree, params, stats), prompt, max_new_tokens, eos_ids, budget, stats)

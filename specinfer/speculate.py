@@ -79,17 +79,16 @@ class SSMDrafter:
         self.runtime.release(self.seq)
 
     def draft(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
-              budget: int, ssm_index: int | None = None) -> TokenTree:
+              budget: int) -> TokenTree:
         """Grow a tree from ``root``: depth d gives each frontier node ``widths[d-1]`` children
         (greedy: the SSM's top tokens; sampling: distinct draws from its shaped distribution).
 
         The first Runtime call scores ``self.catch_up + [root]``, each later depth one more call.
         The tree has at most ``budget`` nodes (root included) and never outgrows the runtime's
-        capacity: it shrinks rather than fails. Proposals carry ``ssm_index`` (default: ``self.index``).
+        capacity: it shrinks rather than fails. Proposals carry this SSM's ``index``.
         """
         if self._tree is not None:
             raise SpecInferError("draft called twice without a commit in between")
-        ssm_index = self.index if ssm_index is None else ssm_index
         chain = self.catch_up + [int(root)]
         tree = TokenTree(root)
         self._tree, self._slot = tree, {}
@@ -111,7 +110,7 @@ class SSMDrafter:
                 else:
                     q = probabilities(node_logits, params)
                     tokens = sample_without_replacement(q, k, rng)
-                new += [tree.add(node, t, Proposal(ssm_index, rank, q)) for rank, t in enumerate(tokens)]
+                new += [tree.add(node, t, Proposal(self.index, rank, q)) for rank, t in enumerate(tokens)]
             # Score this depth only if another depth will expand it, and only what fits the cache.
             new = new[:free - pending]
             if depth == len(widths) or len(tree) >= budget or not new:
