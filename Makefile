@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[export,dev,triton,kernels]"
+	$(PY) -m pip install -q -e ".[export,dev,triton,kernels,bench]"
 	# The Triton server binary bundled in nvidia-pytriton (only its files; its Python stub wants numpy 1.x).
 	$(PY) -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
 	$(PY) -m pip install -q "numpy>=1.24,<2"

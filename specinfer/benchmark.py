@@ -1,12 +1,21 @@
-"""Measurements people look at: step time of a Runtime by context length and tree size."""
+"""Measurements people look at: step times of a Runtime, and `specinfer bench` (every contender on the
+same prompts in one run, outputs checked, a JSON/markdown/PNG report)."""
 from __future__ import annotations
 
+import os
+import sys
 import time
-from typing import Sequence
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .engines.runtime import Runtime
+
+if TYPE_CHECKING:
+    from .generate import Stats
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -47,32 +56,181 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
     return results
 
 
-def compare_trees(llm: Runtime, ssms: Sequence[Runtime], trees: dict[str, Sequence[int]],
-                  prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
-                  eos_ids: Sequence[int] = (), progress: bool = True) -> list[dict]:
-    """Incremental decoding and speculative decoding with each tree shape, greedy, on the same prompts
-    in one run; every speculative output must equal the incremental one token for token."""
+@dataclass
+class BenchConfig:
+    """One ``specinfer bench`` run: the same prompts through every contender, greedy unless ``sampling``."""
+    llm: Path                       # checkpoint folder (peers need one; ours exports it)
+    ssms: list[Path]
+    prompts: list[list[int]]
+    trees: dict[str, list[int]]
+    max_new_tokens: int = 128
+    threads: int | None = None
+    peers: bool = True              # transformers and onnxruntime-genai
+    sampling: bool = False          # temperature 1: MSS vs naive sampling, ours only
+    seed: int = 0
+    min_confidence: float = 0.0     # our drafters stop growing a branch where the SSM is less sure
+    progress: bool = True
+
+
+def _row(contender: str, tool: str, tree: str, ssms: str, stats: "Stats | None" = None, **extra) -> dict:
+    row = {"contender": contender, "tool": tool, "tree": tree, "ssms": ssms}
+    if stats is not None:
+        row.update(tokens=stats.new_tokens, seconds=stats.total_seconds, tokens_per_s=stats.tokens_per_second,
+                   tokens_per_step=stats.mean_tokens_per_step if stats.steps else None,
+                   ssm_s=stats.ssm_seconds, llm_s=stats.llm_seconds, other_s=stats.other_seconds,
+                   histogram=stats.histogram)
+    row.update(extra)
+    return row
+
+
+def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int], name: str,
+          params, rule: str = "mss") -> tuple["Stats", list[list[int]]]:
     from tqdm import tqdm
 
     from .generate import Stats, generate_ids
 
-    runs = {"incremental": ([], [1])} | {f"tree {name}": (ssms, shape) for name, shape in trees.items()}
-    reference: list[list[int]] = []
+    stats, outputs = Stats(), []
+    for i, prompt in enumerate(tqdm(cfg.prompts, desc=name, disable=not cfg.progress, leave=False)):
+        if not params.greedy:
+            params = replace(params, seed=cfg.seed + i)
+        outputs.append([t for step in generate_ids(llm, prompt, ssms=ssms, tree=tree, params=params,
+                                                   max_new_tokens=cfg.max_new_tokens, eos_ids=llm.config.eos_token_ids,
+                                                   stats=stats, rule=rule, min_confidence=cfg.min_confidence)
+                            for t in step])
+    return stats, outputs
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Every contender on the same prompts in this one run; returns the report (rows, checks, targets).
+
+    Greedy: our incremental decoding, our speculative decoding with SSM 1 and with all SSMs for each
+    tree, then the peers. Our speculative outputs must equal our incremental ones token for token
+    (an AssertionError otherwise); a peer's outputs are compared and the count of equal ones reported.
+    Sampling: our incremental sampling, and MSS vs naive verification on each tree with all SSMs.
+    """
+    from . import peers
+    from .engines.loader import load_runtime
+    from .sampling import SamplingParams
+
+    llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads)
+    ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads) for s in cfg.ssms]
+    params = SamplingParams(temperature=1.0, seed=cfg.seed) if cfg.sampling else SamplingParams()
+    sets = {"SSM 1": ssms[:1]} | ({f"all {len(ssms)} SSMs": ssms} if len(ssms) > 1 else {})
     rows = []
-    for name, (drafts, shape) in runs.items():
-        stats = Stats()
-        for i, prompt in enumerate(tqdm(prompts, desc=name, disable=not progress, leave=False)):
-            out = [t for step in generate_ids(llm, prompt, ssms=drafts, tree=shape, max_new_tokens=max_new_tokens,
-                                              eos_ids=eos_ids, stats=stats) for t in step]
-            if name == "incremental":
-                reference.append(out)
-            elif out != reference[i]:
-                raise AssertionError(f"{name}: output differs from incremental decoding on prompt {i}")
-        rows.append({"contender": name, "tree": ",".join(map(str, shape)) if drafts else "-",
-                     "tokens_per_s": stats.tokens_per_second, "tokens_per_step": stats.mean_tokens_per_step,
-                     "ssm_s": stats.ssm_seconds, "llm_s": stats.llm_seconds, "other_s": stats.other_seconds,
-                     "histogram": stats.histogram})
+
+    stats, reference = _ours(cfg, llm, [], [1], "ours incremental", params)
+    rows.append(_row("ours incremental", "specinfer", "-", "-", stats, identical=len(cfg.prompts)))
+    for tree_name, tree in cfg.trees.items():
+        if cfg.sampling:
+            runs = [(f"ours MSS {tree_name}", ssms, "mss"), (f"ours naive {tree_name}", ssms, "naive")]
+        else:
+            runs = [(f"ours {tree_name} {k}", v, "mss") for k, v in sets.items()]
+        for name, drafts, rule in runs:
+            stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule)
+            same = sum(o == r for o, r in zip(outputs, reference))
+            if not cfg.sampling and same != len(reference):
+                raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
+            rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule,
+                             identical=None if cfg.sampling else same))
+
+    if cfg.peers and not cfg.sampling:
+        kw = dict(prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
+        depth = max(len(t) for t in cfg.trees.values())
+        contenders = [
+            ("transformers greedy", "transformers", lambda: peers.transformers_greedy(cfg.llm, **kw)),
+            ("transformers assisted", "transformers", lambda: peers.transformers_assisted(cfg.llm, cfg.ssms[0], **kw)),
+            ("onnxruntime-genai greedy", "onnxruntime-genai", lambda: peers.ortgenai_greedy(cfg.llm, **kw)),
+            (f"onnxruntime-genai speculative chain {depth}", "onnxruntime-genai",
+             lambda: peers.ortgenai_speculative(cfg.llm, cfg.ssms[0], draft_tokens=depth, **kw)),
+        ]
+        for name, tool, run in contenders:
+            if cfg.progress:
+                print(f"running {name} ...", file=sys.stderr, flush=True)
+            r = run()
+            extra = dict(unavailable=r.unavailable) if r.unavailable else dict(
+                tokens=r.new_tokens, seconds=r.seconds, tokens_per_s=r.tokens_per_second,
+                tokens_per_step=float(np.mean(r.tokens_per_step)) if r.tokens_per_step else None,
+                histogram=dict(sorted(Counter(r.tokens_per_step).items())),
+                identical=sum(o == ref for o, ref in zip(r.outputs, reference)))
+            drafted = "speculative" in name or "assisted" in name
+            rows.append(_row(name, tool, f"chain {depth}" if "speculative" in name else "-",
+                             "1" if drafted else "-", **extra))
+
     base = rows[0]["tokens_per_s"]
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base if base else 0.0
-    return rows
+        r["speedup"] = r["tokens_per_s"] / base if r.get("tokens_per_s") else None
+    return {"llm": str(cfg.llm), "ssms": [str(s) for s in cfg.ssms], "prompts": len(cfg.prompts),
+            "max_new_tokens": cfg.max_new_tokens, "mode": "sampling (temperature 1)" if cfg.sampling else "greedy",
+            "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence, "rows": rows, "targets": targets(rows)}
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets as ratios within this run (greedy; best of our speculative rows)."""
+    by = {r["contender"]: r for r in rows if r.get("tokens_per_s")}
+    ours = [r for r in rows if r["tool"] == "specinfer" and r["tree"] != "-" and r.get("tokens_per_s")]
+    if not ours:
+        return []
+    best = max(ours, key=lambda r: r["tokens_per_s"])
+    incremental = by.get("ours incremental")
+    peer = lambda prefix: next((r for name, r in by.items() if name.startswith(prefix)), None)
+    checks = [
+        (f"{best['contender']} / ours incremental (tokens/s)", best, incremental, 2.0),
+        (f"{best['contender']} / transformers assisted", best, peer("transformers assisted"), 2.0),
+        (f"{best['contender']} / onnxruntime-genai speculative", best, peer("onnxruntime-genai speculative"), 1.3),
+        ("ours incremental / onnxruntime-genai greedy", incremental, peer("onnxruntime-genai greedy"), 1.0),
+    ]
+    out = [{"target": name, "ratio": a["tokens_per_s"] / b["tokens_per_s"], "goal": goal,
+            "met": a["tokens_per_s"] / b["tokens_per_s"] >= goal} for name, a, b, goal in checks if a and b]
+    if best.get("tokens_per_step") is not None:
+        out.append({"target": f"{best['contender']}: mean tokens per step", "ratio": best["tokens_per_step"],
+                    "goal": 3.0, "met": best["tokens_per_step"] >= 3.0})
+    return out
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def report_markdown(report: dict) -> str:
+    """The bench report as markdown: the contenders table, then the targets."""
+    n = report["prompts"]
+    rows = [[r["contender"], _fmt(r.get("tokens_per_s"), ".1f"), _fmt(r.get("speedup"), ".2f", "x"),
+             _fmt(r.get("tokens_per_step"), ".2f"), _fmt(r.get("ssm_s"), ".2f"), _fmt(r.get("llm_s"), ".2f"),
+             _fmt(r.get("other_s"), ".2f"),
+             "-" if r.get("identical") is None else f"{r['identical']}/{n}"] if not r.get("unavailable")
+            else [r["contender"], f"unavailable: {r['unavailable']}", "", "", "", "", "", ""]
+            for r in report["rows"]]
+    text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
+            f"our drafters' min confidence {report['min_confidence']}\n\n"
+            + markdown_table(["contender", "tokens/s", "vs ours incremental", "tokens/step", "SSM s", "LLM s",
+                              "own code s", "identical to ours incremental"], rows))
+    if report["targets"]:
+        text += "\n\n" + markdown_table(["target", "measured", "goal", "met"], [
+            [t["target"], f"{t['ratio']:.2f}", f">= {t['goal']}", "yes" if t["met"] else "NO"] for t in report["targets"]])
+    return text
+
+
+def report_plot(report: dict, path: str | Path) -> None:
+    """Tokens/s per contender, and the histogram of tokens per verification step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r.get("tokens_per_s")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2.5))
+    left.barh([r["contender"] for r in rows][::-1], [r["tokens_per_s"] for r in rows][::-1],
+              color=["tab:blue" if r["tool"] == "specinfer" else "tab:gray" for r in rows][::-1])
+    left.set_xlabel("tokens/s")
+    left.set_title(f"{report['mode']}: {report['prompts']} prompts x {report['max_new_tokens']} tokens")
+    for r in rows:
+        hist = {int(k): v for k, v in (r.get("histogram") or {}).items()}
+        if r["tree"] != "-" and hist:
+            total = sum(hist.values())
+            xs = sorted(hist)
+            right.plot(xs, [hist[x] / total for x in xs], marker="o", label=r["contender"])
+    right.set_xlabel("tokens per verification step (accepted + 1)")
+    right.set_ylabel("share of steps")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

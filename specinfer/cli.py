@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .client.cli import add_client_parser
 from .engines.loader import ENGINES
+from .speculate import DEFAULT_MIN_CONFIDENCE
 from .errors import SpecInferError
 
 
@@ -17,6 +18,17 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+
+
+def _add_min_confidence(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
+                   help="an SSM stops growing a branch where its top token's probability is below this "
+                        f"(0: full tree; default {DEFAULT_MIN_CONFIDENCE}); the output is exact either way")
+
+
+def _check_min_confidence(value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise SpecInferError(f"--min-confidence must be in [0, 1), got {value}")
 
 
 def cmd_export(a) -> None:
@@ -54,10 +66,12 @@ def cmd_generate(a) -> None:
     from .sampling import SamplingParams
 
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)  # validates before loading models
+    _check_min_confidence(a.min_confidence)
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
-    pipe = Pipeline(a.llm, a.ssm, tree=a.tree, budget=a.budget, engine=a.engine,
-                    max_context=a.max_context, threads=a.threads)
+    llm, ssms = _models(a, all_ssms=False)
+    pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=a.tree, budget=a.budget, engine=a.engine,
+                    max_context=a.max_context, threads=a.threads, min_confidence=a.min_confidence)
     stats = Stats()
     for piece in pipe.stream(a.prompt, a.max_tokens, params, stats):
         sys.stdout.write(piece)
@@ -84,26 +98,98 @@ def cmd_steptime(a) -> None:
             json.dump(rows, f, indent=2)
 
 
-def cmd_bench(a) -> None:
-    from .benchmark import compare_trees, markdown_table
-    from .pipeline import Pipeline
-    from .speculate import parse_widths
+def load_prompts(source: str | None, count: int | None) -> list[str]:
+    """Benchmark prompts: the embedded held-out ones, a ``.json`` list of strings, a text file of
+    prompts separated by blank lines, or a folder of ``.py`` files (prompts cut at ``def`` lines)."""
+    from .models import embedded_prompts
+    from .training.corpus import code_prompts
 
-    a.tree = a.tree or ["1,1,1,1,1,1,1,1", "4,2,1", "1,1,3,1,1,1,1,1"]
-    pipe = Pipeline(a.llm, a.ssm, engine=a.engine, threads=a.threads)
-    if not pipe.ssms:
+    if source is None:
+        prompts = embedded_prompts()
+    else:
+        path = Path(source)
+        if path.is_dir():
+            prompts = code_prompts(sorted(path.rglob("*.py")), count or 10**9)
+        elif path.is_file():
+            text = path.read_text()
+            prompts = json.loads(text) if path.suffix == ".json" else [p for p in text.split("\n\n") if p.strip()]
+        else:
+            raise SpecInferError(f"--prompts {source}: no such file or folder")
+        if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
+            raise SpecInferError(f"--prompts {source}: expected non-empty prompt strings")
+    prompts = prompts[:count] if count else prompts
+    if not prompts:
+        raise SpecInferError(f"no prompts found in {source}")
+    return prompts
+
+
+def _models(a, all_ssms: bool = True) -> tuple[Path, list[Path]]:
+    """--llm/--ssm, or the embedded models when no --llm is given: the LLM with all its SSMs, or
+    with SSM 1 alone (the fastest on 2 CPU cores: each SSM adds its own draft calls)."""
+    from .models import embedded_llm, embedded_ssms
+
+    if a.llm is None:
+        return embedded_llm(), [Path(s) for s in a.ssm] or embedded_ssms()[:None if all_ssms else 1]
+    return Path(a.llm), [Path(s) for s in a.ssm]
+
+
+def cmd_bench(a) -> None:
+    from .benchmark import BenchConfig, report_markdown, report_plot, run_bench
+    from .speculate import parse_widths
+    from .text import load_tokenizer
+
+    llm, ssms = _models(a)
+    if not ssms:
         raise SpecInferError("bench needs at least one --ssm")
-    prompts = [pipe.encode(line) for line in open(a.prompts).read().split("\n\n") if line.strip()]
-    trees = {t: parse_widths(t) for t in a.tree}
-    rows = compare_trees(pipe.llm, pipe.ssms, trees, prompts, a.max_tokens, pipe.eos_ids)
-    print(markdown_table(
-        ["contender", "tree", "tokens/s", "speedup", "tokens/step", "SSM s", "LLM s", "other s"],
-        [[r["contender"], r["tree"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['tokens_per_step']:.2f}",
-          f"{r['ssm_s']:.2f}", f"{r['llm_s']:.2f}", f"{r['other_s']:.2f}"] for r in rows]))
-    print(f"all speculative outputs identical to incremental decoding on {len(prompts)} prompts")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    if not (llm / "config.json").is_file():
+        raise SpecInferError(f"--llm {llm}: bench needs a Hugging Face checkpoint folder (the peers convert it)")
+    if a.max_tokens < 1:
+        raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    _check_min_confidence(a.min_confidence)
+    trees = {t: parse_widths(t) for t in (a.tree or ["1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1", "2,2,1,1,1,1,1,1"])}
+    tokenizer = load_tokenizer(llm)
+    prompts = [tokenizer.encode(p).ids for p in load_prompts(a.prompts, a.num_prompts)]
+    report = run_bench(BenchConfig(llm, ssms, prompts, trees, a.max_tokens, a.threads, peers=not a.no_peers,
+                                   sampling=a.sampling, seed=a.seed, min_confidence=a.min_confidence))
+    out = Path(a.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "bench-sampling" if a.sampling else "bench"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    text = report_markdown(report)
+    (out / f"{stem}.md").write_text(text + "\n")
+    report_plot(report, out / f"{stem}.png")
+    print(text)
+    print(f"\nwrote {out / stem}.json, .md and .png")
+
+
+def cmd_train(a) -> None:
+    from dataclasses import replace
+
+    from .training.corpus import stdlib_corpus
+    from .training.train import TrainConfig, train_llm
+
+    cfg = replace(TrainConfig(), **{k: v for k, v in (("steps", a.steps), ("batch_size", a.batch_size),
+                                                       ("seq_len", a.seq_len), ("seed", a.seed)) if v is not None})
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
+        raise SpecInferError("--steps and --batch-size must be >= 1, --seq-len >= 8")
+    out = train_llm(stdlib_corpus(a.stdlib), a.output, cfg)
+    print(f"wrote {out}")
+
+
+def cmd_boost_tune(a) -> None:
+    from dataclasses import replace
+
+    from .training.boost_tune import BoostConfig, boost_tune
+    from .training.corpus import stdlib_corpus
+
+    if not (Path(a.llm) / "tokenizer.json").is_file():
+        raise SpecInferError(f"{a.llm} is not a checkpoint folder with a tokenizer.json")
+    cfg = replace(BoostConfig(), **{k: v for k, v in (("num_ssms", a.num_ssms), ("steps", a.steps),
+                                                       ("prompts", a.prompts), ("seed", a.seed)) if v is not None})
+    if cfg.num_ssms < 1 or cfg.steps < 2 or cfg.prompts < 1:
+        raise SpecInferError("--num-ssms and --prompts must be >= 1, --steps >= 2")
+    boost_tune(a.llm, stdlib_corpus(a.stdlib), a.output, cfg)
+    print(f"wrote {a.output}")
 
 
 def cmd_repo(a) -> None:
@@ -123,9 +209,8 @@ def cmd_serve(a) -> None:
 
     repo = a.repo
     if repo is None:  # the embedded default models
-        from .demo import DEMO_DIR, demo_exports
-        llm, ssm = demo_exports(DEMO_DIR)
-        repo = write_repository(llm, [ssm], Path(tempfile.mkdtemp(prefix="specinfer-repo-")))
+        from .models import embedded_llm, embedded_ssms
+        repo = write_repository(embedded_llm(), embedded_ssms(), Path(tempfile.mkdtemp(prefix="specinfer-repo-")))
     server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file)
     print(f"starting tritonserver on {repo} ...", file=sys.stderr)
     server.start()
@@ -171,8 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text (speculative when SSMs are given)")
     p.add_argument("prompt")
-    p.add_argument("--llm", "--model", dest="llm", required=True, help="LLM folder: an export or a checkpoint")
+    p.add_argument("--llm", "--model", dest="llm", default=None,
+                   help="LLM folder: an export or a checkpoint (default: the embedded LLM, with its SSM 1)")
     p.add_argument("--ssm", action="append", default=[], help="SSM folder (repeat for several)")
+    p.add_argument("--no-speculation", action="store_true", help="incremental decoding, no SSMs")
+    _add_min_confidence(p)
     p.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="children per depth (SpecInfer expansion)")
     p.add_argument("--budget", type=int, default=64, help="tree nodes at most, root included")
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
@@ -191,6 +279,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
+    p = sub.add_parser("train", help="train the demo tokenizer and LLM on the Python standard library")
+    p.add_argument("-o", "--output", required=True, help="checkpoint folder to write (trainer state goes beside it)")
+    p.add_argument("--stdlib", default=None, help="stdlib folder (default: this interpreter's)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("boost-tune", help="collective boost-tuning of SSMs on an LLM's greedy continuations")
+    p.add_argument("--llm", required=True, help="the LLM checkpoint folder (with tokenizer.json)")
+    p.add_argument("-o", "--output", required=True, help="folder for ssm1, ssm2, ... and boost_tuning.json")
+    p.add_argument("--stdlib", default=None, help="stdlib folder (default: this interpreter's)")
+    p.add_argument("--num-ssms", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="training steps of SSM 1 (later ones: half)")
+    p.add_argument("--prompts", type=int, default=None, help="training prompts (LLM continuations)")
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_boost_tune)
+
     p = sub.add_parser("repo", help="write a Triton model repository for an LLM and its SSMs")
     p.add_argument("--llm", required=True)
     p.add_argument("--ssm", action="append", default=[])
@@ -212,15 +319,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_parser(sub)
 
-    p = sub.add_parser("bench", help="incremental vs speculative decoding, side by side, outputs checked equal")
-    p.add_argument("--llm", required=True)
-    p.add_argument("--ssm", action="append", default=[])
-    p.add_argument("--tree", action="append", default=None, help="tree shape (repeat); default: chain, wide, SpecInfer's")
-    p.add_argument("--prompts", required=True, help="text file, prompts separated by blank lines")
+    p = sub.add_parser("bench", help="our incremental and speculative decoding vs transformers and onnxruntime-genai, "
+                                      "side by side, outputs checked equal (default: the embedded models)")
+    p.add_argument("--llm", default=None, help="LLM checkpoint folder (default: the embedded LLM and its SSMs)")
+    p.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several)")
+    p.add_argument("--tree", action="append", default=None,
+                   help="tree shape, children per depth (repeat); default: chain of 8, SpecInfer's 1,1,3,1,1,1,1,1, 2,2,1,1,1,1,1,1")
+    p.add_argument("--prompts", default=None, help="a .json list, a text file (blank-line separated) or a folder "
+                                                  "of .py files (default: the embedded held-out prompts)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json")
+    p.add_argument("--sampling", action="store_true", help="temperature 1: multi-step vs naive speculative sampling")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
+    _add_min_confidence(p)
+    p.add_argument("-o", "--output-dir", default="bench-results", help="where bench.json, .md and .png go")
     p.set_defaults(func=cmd_bench)
     return parser
 

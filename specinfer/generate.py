@@ -26,7 +26,7 @@ from .errors import SpecInferError
 from .sampling import SamplingParams
 from .speculate import SSMDrafter, check_vocab
 from .tree import TokenTree, merge
-from .verify import verify
+from .verify import SAMPLING_RULES, verify
 
 DEFAULT_TREE = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's expansion config
 DEFAULT_BUDGET = 64                      # tree nodes, root included
@@ -94,16 +94,20 @@ class LocalSpeculator:
     """Speculation with the LLM and SSM Runtimes in this process."""
 
     def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), tree: Sequence[int] = DEFAULT_TREE,
-                 params: SamplingParams = SamplingParams(), stats: Stats | None = None, seq_id=None):
+                 params: SamplingParams = SamplingParams(), stats: Stats | None = None, seq_id=None,
+                 rule: str = "mss", min_confidence: float = 0.0):
         check_vocab(llm, ssms)
-        self.llm, self.tree, self.params = llm, list(tree), params
+        if rule not in SAMPLING_RULES:
+            raise SpecInferError(f"unknown sampling rule {rule!r}: expected one of {', '.join(SAMPLING_RULES)}")
+        self.llm, self.tree, self.params, self.rule = llm, list(tree), params, rule
         self.max_context = llm.max_context
         self.stats = stats if stats is not None else Stats()
         self.rng = np.random.default_rng(params.seed)
         self.seq = llm.start(seq_id)
         self.drafters: list[SSMDrafter] = []
         try:
-            self.drafters = [SSMDrafter(rt, i, seq_id=seq_id) for i, rt in enumerate(ssms)]
+            self.drafters = [SSMDrafter(rt, i, seq_id=seq_id, min_confidence=min_confidence)
+                             for i, rt in enumerate(ssms)]
         except BaseException:
             self.release()
             raise
@@ -130,7 +134,7 @@ class LocalSpeculator:
         token_tree = merge(trees, budget)[0] if trees else TokenTree(root)
         t1 = time.perf_counter()
         logits = self.llm.score(self.seq, token_tree.tokens, token_tree.parents)
-        verdict = verify(token_tree, logits, self.params, self.rng)
+        verdict = verify(token_tree, logits, self.params, self.rng, self.rule)
         self.llm.commit(self.seq, verdict.path)
         self.stats.ssm_seconds += t1 - t0
         self.stats.llm_seconds += time.perf_counter() - t1
@@ -205,10 +209,12 @@ def generate_ids(
     eos_ids: Sequence[int] = (),
     budget: int = DEFAULT_BUDGET,
     stats: Stats | None = None,
+    rule: str = "mss",
+    min_confidence: float = 0.0,
 ) -> Iterator[list[int]]:
     """Speculative generation in this process: yield the new token ids of each step until EOS
     (included), ``max_new_tokens`` or the context capacity. Greedy output is token for token the
     LLM's own greedy decoding; sampled output is distributed as the LLM's own sampling (multi-step
-    speculative sampling)."""
+    speculative sampling; ``rule="naive"`` samples from the LLM and follows the tree instead)."""
     stats = stats if stats is not None else Stats()
-    return decode(LocalSpeculator(llm, ssms, tree, params, stats), prompt, max_new_tokens, eos_ids, budget, stats)
+    return decode(LocalSpeculator(llm, ssms, tree, params, stats, rule=rule, min_confidence=min_confidence), prompt, max_new_tokens, eos_ids, budget, stats)

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.onnx.ops
 from torch import nn
 from torch.nn import functional as F
 
@@ -41,9 +42,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """RoPE as in HF Llama (rotate-half, not interleaved) on [B, T, heads * D], cos/sin [B, T, D/2]:
+    the ONNX ``RotaryEmbedding`` op, which PyTorch also runs eagerly."""
+    return torch.onnx.ops.rotary_embedding(x, cos, sin, num_heads=num_heads)
 
 
 class RMSNorm(nn.Module):
@@ -72,11 +74,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, tree_mask, past_k, past_v):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        # One ONNX RotaryEmbedding node each (not ~7 elementwise nodes): on a CPU, small models
+        # pay per node.
+        q = rotary_embedding(self.q_proj(x), cos, sin, num_heads=self.num_heads).view(b, t, self.num_heads, self.head_dim)
+        k = rotary_embedding(self.k_proj(x), cos, sin, num_heads=self.num_kv_heads).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
         out = tree_attention(q, k, v, past_k, past_v, tree_mask,
                              self.num_heads, self.num_kv_heads, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.reshape(b, t, -1)), k, v
@@ -138,8 +140,7 @@ class LlamaModel(nn.Module):
         """Logits [B, T, V] (float32) and the new tokens' keys and values, per layer [B, T, Hkv, D]."""
         x = self.model.embed_tokens(input_ids)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2], in float32 as HF
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]   # broadcast over heads
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.model.layers, past_keys, past_values):
             x, k, v = layer(x, cos, sin, tree_mask, pk, pv)

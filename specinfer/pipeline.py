@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 from .engines.loader import load_runtime
 from .generate import DEFAULT_BUDGET, DEFAULT_TREE, Stats, generate_ids
 from .sampling import SamplingParams
-from .speculate import parse_widths
+from .speculate import DEFAULT_MIN_CONFIDENCE, parse_widths
 from .text import TextStream, load_tokenizer
 
 
@@ -22,11 +22,12 @@ class Pipeline:
 
     def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] = DEFAULT_TREE,
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, min_confidence: float = DEFAULT_MIN_CONFIDENCE):
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.tree = parse_widths(tree) if isinstance(tree, str) else list(tree)
         self.budget = budget
+        self.min_confidence = min_confidence
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
         self.eos_ids = self.llm.config.eos_token_ids
 
@@ -36,7 +37,8 @@ class Pipeline:
     def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                    params: SamplingParams = SamplingParams(), stats: Stats | None = None) -> Iterator[list[int]]:
         return generate_ids(self.llm, prompt_ids, ssms=self.ssms, tree=self.tree, params=params,
-                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, budget=self.budget, stats=stats)
+                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, budget=self.budget, stats=stats,
+                            min_confidence=self.min_confidence)
 
     def stream(self, prompt: str, max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
                stats: Stats | None = None) -> Iterator[str]:

@@ -29,6 +29,10 @@ def parse_widths(spec: str) -> list[int]:
     return widths
 
 
+# Where the embedded SSMs measured best on their held-out prompts (see the README's benchmark).
+DEFAULT_MIN_CONFIDENCE = 0.4
+
+
 def check_vocab(llm: Runtime, ssms: Sequence[Runtime]) -> None:
     """Every SSM must share the LLM's vocabulary: a token id means the same thing to both."""
     for i, ssm in enumerate(ssms):
@@ -40,8 +44,15 @@ def check_vocab(llm: Runtime, ssms: Sequence[Runtime]) -> None:
 def top_k(logits: np.ndarray, k: int) -> list[int]:
     """The k largest logits' tokens, best first, ties to the lower id (as argmax breaks them)."""
     k = min(k, len(logits))
+    if k == 1:  # the common case (chains): argmax already takes the lowest id among ties
+        return [int(np.argmax(logits))]
     part = np.argpartition(-logits, k - 1)[:k]  # O(V), not a full sort of the vocabulary
     return [int(t) for t in part[np.lexsort((part, -logits[part]))]]
+
+
+def confidence(logits: np.ndarray) -> float:
+    """The probability of the most likely token (softmax at temperature 1)."""
+    return float(1.0 / np.exp(logits - logits.max()).sum())
 
 
 def sample_without_replacement(p: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
@@ -61,8 +72,12 @@ class SSMDrafter:
     """One SSM's sequence in its Runtime: drafts a tree per step and commits what was accepted."""
 
     def __init__(self, runtime: Runtime, index: int = 0, capacity: int | None = None,
-                 seq_id: Hashable | None = None):
+                 seq_id: Hashable | None = None, min_confidence: float = 0.0):
         self.runtime, self.index = runtime, index
+        # A node whose top token has less probability than this under the SSM gets no children:
+        # the tree stops growing where the SSM is unsure, which saves SSM calls and verified
+        # tokens. Any tree keeps the output exact: its shape depends on the SSM alone.
+        self.min_confidence = min_confidence
         self.seq = runtime.start(seq_id, capacity)
         self.catch_up: list[int] = []            # accepted tokens this SSM has not scored yet
         self._tree: TokenTree | None = None      # the draft awaiting commit
@@ -105,6 +120,8 @@ class SSMDrafter:
                 k = min(width, budget - len(tree))
                 if k <= 0:
                     break
+                if self.min_confidence and confidence(node_logits) < self.min_confidence:
+                    continue
                 if params.greedy:
                     q, tokens = None, top_k(node_logits, k)
                 else:

@@ -126,9 +126,13 @@ def verify_naive(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams
         path.append(child)
 
 
+SAMPLING_RULES = ("mss", "naive")
+
+
 def verify(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
-           rng: np.random.Generator) -> Verdict:
-    """Greedy verification when ``params.greedy``, else multi-step speculative sampling."""
+           rng: np.random.Generator, rule: str = "mss") -> Verdict:
+    """Greedy verification when ``params.greedy``, else multi-step speculative sampling (``rule``
+    "mss") or naive sampling ("naive", for comparison: also exact, accepts less)."""
     if params.greedy:
         return verify_greedy(tree, llm_logits)
-    return verify_mss(tree, llm_logits, params, rng)
+    return verify_naive(tree, llm_logits, params, rng) if rule == "naive" else verify_mss(tree, llm_logits, params, rng)

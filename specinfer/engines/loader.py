@@ -39,7 +39,9 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
     if not (model_dir / "config.json").is_file():
         raise SpecInferError(f"{model_dir} is neither a checkpoint (config.json) nor an export (manifest.json)")
     # The key changes whenever the checkpoint's files change, so a stale export is never reused.
-    stamp = [str(model_dir.resolve()), str(max_context)] + sorted(
+    from ..export.onnx_export import EXPORT_FORMAT
+
+    stamp = [str(model_dir.resolve()), str(max_context), EXPORT_FORMAT] + sorted(
         f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in model_dir.iterdir() if p.is_file())
     out = cache_dir() / "onnx" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:16]
     if (out / "manifest.json").is_file():

@@ -24,6 +24,8 @@ from ..plugins.tree_attention import tree_mask_from_parents
 
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
+# Bumped whenever the exported graph changes, so cached exports of checkpoints are redone.
+EXPORT_FORMAT = "specinfer-onnx/2"  # 2: RoPE as one RotaryEmbedding node
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well under it
@@ -167,7 +169,7 @@ def export_model(
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out_dir / name)
     manifest = {
-        "format": "specinfer-onnx/1",
+        "format": EXPORT_FORMAT,
         "source": str(model_dir.resolve()),
         "onnx": ONNX_FILE,
         "external_data": large,

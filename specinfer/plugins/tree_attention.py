@@ -47,14 +47,14 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
 
 
 def pack_bits(mask: np.ndarray) -> np.ndarray:
-    """Pack a bool [..., N, N] ancestor matrix into int32 [..., N, ceil(N/32)] words."""
+    """Pack a bool [..., N, N] ancestor matrix into int32 [..., N, ceil(N/32)] words (bit j of word
+    w is column 32 w + j)."""
     n = mask.shape[-1]
     words = -(-n // BITS_PER_WORD)
-    padded = np.zeros(mask.shape[:-1] + (words * BITS_PER_WORD,), dtype=np.uint64)
+    padded = np.zeros(mask.shape[:-1] + (words * BITS_PER_WORD,), dtype=bool)
     padded[..., :n] = mask
-    weights = np.uint64(1) << np.arange(BITS_PER_WORD, dtype=np.uint64)
-    packed = (padded.reshape(mask.shape[:-1] + (words, BITS_PER_WORD)) * weights).sum(-1)
-    return packed.astype(np.uint32).view(np.int32)
+    packed = np.packbits(padded, axis=-1, bitorder="little")  # bytes, lowest column first
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32)
 
 
 def unpack_bits(packed: np.ndarray, n: int) -> np.ndarray:

@@ -1,0 +1,72 @@
+"""`specinfer bench`: every contender in one run, outputs checked, the report in three formats."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from specinfer.checkpoints import truncate_layers
+    root = tmp_path_factory.mktemp("bench")
+    llm = make_checkpoint(root / "llm", "llama3", seed=3, layers=3, tie_word_embeddings=False)
+    return llm, truncate_layers(llm, root / "ssm", 1)
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "-m", "specinfer.cli", "bench", *args, "--threads", "1"],
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_bench_greedy_report(tmp_path, pair):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):\n", "class A:\n    def g(self):\n", "import os\n"]))
+    r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), "--ssm", str(pair[1]), "--prompts", str(prompts),
+              "--max-tokens", "12", "--tree", "1,1,1", "--tree", "2,1", "-o", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    rows = {row["contender"]: row for row in report["rows"]}
+    assert list(rows)[:5] == ["ours incremental", "ours 1,1,1 SSM 1", "ours 1,1,1 all 2 SSMs",
+                              "ours 2,1 SSM 1", "ours 2,1 all 2 SSMs"]
+    for name, row in rows.items():
+        if row["tool"] == "specinfer":
+            assert row["identical"] == 3 and row["tokens_per_s"] > 0
+            assert sum(int(k) * v for k, v in row["histogram"].items()) == row["tokens"]
+            if name != "ours incremental":
+                assert 1 <= row["tokens_per_step"] <= 4
+    # the peers decode the same checkpoints greedily: the same tokens
+    assert rows["transformers greedy"]["identical"] == 3
+    assert rows["transformers assisted"]["identical"] == 3
+    if "onnxruntime-genai greedy" in rows and not rows["onnxruntime-genai greedy"].get("unavailable"):
+        assert rows["onnxruntime-genai greedy"]["identical"] == 3
+    assert {t["target"].split(" / ")[-1] for t in report["targets"]} >= {"ours incremental (tokens/s)",
+                                                                         "transformers assisted"}
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "| ours 2,1 all 2 SSMs |" in md and "3/3" in md and md in r.stdout
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_sampling_compares_mss_with_naive(tmp_path, pair):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\nimport sys\n")
+    r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), "--prompts", str(prompts), "--max-tokens", "16",
+              "--tree", "2,2,1", "--sampling", "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench-sampling.json").read_text())
+    assert [row["contender"] for row in report["rows"]] == ["ours incremental", "ours MSS 2,2,1", "ours naive 2,2,1"]
+    assert report["mode"].startswith("sampling")
+    for row in report["rows"][1:]:
+        assert row["tokens"] == 32 and row["tokens_per_step"] >= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "/no/such/file"], "--prompts /no/such/file: no such file or folder"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--tree", "1,x"], "tree"),
+])
+def test_bench_bad_input(args, message, pair):
+    r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

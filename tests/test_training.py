@@ -1,0 +1,124 @@
+"""Training the demo models: the corpus split, the tokenizer, the training loop, boost-tuning."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specinfer.training.corpus import TEST_EVERY, code_prompts, stdlib_corpus
+from specinfer.training.train import EOS, TrainConfig, encode_files, fit, llama_config, random_windows, train_tokenizer
+
+TINY = TrainConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                   vocab_size=300, seq_len=32, batch_size=8, steps=60, lr=1e-2, warmup=5,
+                   checkpoint_every=10, eval_every=10**6)
+
+
+def fake_stdlib(root):
+    files = ["a.py", "b/c.py", "test/t.py", "idlelib/x.py", "encodings/cp1.py", "site-packages/p/q.py"]
+    files += [f"m{i:02d}.py" for i in range(40)]
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text(f"# {f}\n\ndef f_{len(f)}(x):\n    return x\n")
+    return root
+
+
+def test_split_is_by_sorted_path_and_keeps_tests_out(tmp_path):
+    c = stdlib_corpus(fake_stdlib(tmp_path))
+    rel = lambda fs: [f.relative_to(tmp_path).as_posix() for f in fs]
+    kept = sorted(rel(c.train) + rel(c.test))
+    assert kept == sorted(["a.py", "b/c.py"] + [f"m{i:02d}.py" for i in range(40)])
+    assert rel(c.test) == [kept[i] for i in range(TEST_EVERY - 1, len(kept), TEST_EVERY)]
+    assert not set(rel(c.train)) & set(rel(c.test))
+    assert rel(stdlib_corpus(tmp_path).test) == rel(c.test)  # deterministic
+
+
+def test_real_stdlib_split_and_prompts():
+    c = stdlib_corpus()
+    assert len(c.train) > 300 and len(c.test) == (len(c.train) + len(c.test)) // TEST_EVERY
+    assert not any("test" in f.parts or "idlelib" in f.parts for f in c.train + c.test)
+    prompts = code_prompts(c.test, 50)
+    assert len(prompts) == 50 and len(set(prompts)) == 50
+    assert all(p.rstrip().split("\n")[-1].lstrip().startswith(("def ", "async def ")) for p in prompts)
+
+
+def test_tokenizer_round_trips_code(tmp_path):
+    texts = ["def f(x):\n    return x + 1  # über\n", "class A:\n\tpass\n"] * 20
+    tok = train_tokenizer(texts, 300, tmp_path)
+    assert tok.token_to_id(EOS) == 0
+    sample = "def g(y):\n        return 'ünïcode' * y\n"
+    assert tok.decode(tok.encode(sample).ids) == sample
+    stream = encode_files(tok, texts[:2])
+    assert stream[-1] == 0 and (stream == 0).sum() == 2
+
+
+def _tiny_model(seed=0):
+    import transformers
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(llama_config(TINY, max_positions=64))
+
+
+def test_fit_learns_and_resumes_exactly(tmp_path):
+    from specinfer.training.train import evaluate
+    stream = np.tile(np.arange(1, 50, dtype=np.int32), 200)  # a pattern a 1-layer model can learn
+    model = _tiny_model()
+    before = evaluate(model, stream, TINY.seq_len)
+    fit(model, random_windows(stream, TINY.batch_size, TINY.seq_len), TINY)
+    assert evaluate(model, stream, TINY.seq_len) < 0.5 * before
+
+    # interrupted after 35 steps (trainer state saved at 30), then resumed: the same weights as in one go
+    batches = random_windows(stream, TINY.batch_size, TINY.seq_len)
+    calls = []
+
+    def interrupted(rng):
+        calls.append(1)
+        if len(calls) > 35:
+            raise KeyboardInterrupt
+        return batches(rng)
+    with pytest.raises(KeyboardInterrupt):
+        fit(_tiny_model(), interrupted, TINY, checkpoint_dir=tmp_path)
+    resumed = _tiny_model(seed=1)  # another init: everything must come from the trainer state
+    fit(resumed, random_windows(stream, TINY.batch_size, TINY.seq_len), TINY, checkpoint_dir=tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_llm_greedy_data_is_the_llms_greedy_decoding():
+    from specinfer.training.boost_tune import llm_greedy_data
+    model = _tiny_model().eval()
+    stream = np.arange(1, 250, dtype=np.int32)
+    tokens, labels = llm_greedy_data(model, stream, 3, prompt_len=6, new_tokens=5, rng=np.random.default_rng(0))
+    assert tokens.shape == labels.shape == (3, 11)
+    for row, lab in zip(tokens, labels):
+        x = torch.from_numpy(row[:6].astype(np.int64))[None]
+        ref = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert row.tolist() == ref[0].tolist()
+        assert (lab[5:-1] == row[6:]).all()  # in the continuation, the label is the next token
+        with torch.no_grad():
+            assert lab.tolist() == model(torch.from_numpy(row.astype(np.int64))[None]).logits.argmax(-1)[0].tolist()
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.01])
+def test_boost_tuning_drops_the_prompts_ssm1_agrees_on(tmp_path, threshold):
+    from specinfer.training.boost_tune import BoostConfig, boost_tune
+    from specinfer.training.corpus import Corpus
+    from specinfer.training.train import save_checkpoint
+
+    corpus = stdlib_corpus()
+    corpus = Corpus(corpus.root, corpus.train[:6], corpus.test[:2])
+    tok = train_tokenizer(corpus.texts(corpus.train), 300, tmp_path / "tok")
+    save_checkpoint(_tiny_model(), tmp_path / "llm", tmp_path / "tok")
+    cfg = BoostConfig(num_ssms=3, hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, prompts=24,
+                      test_prompts=4, prompt_len=8, new_tokens=8, steps=10, batch_size=4,
+                      agree_threshold=threshold, tree_prompts=0)
+    report = boost_tune(tmp_path / "llm", corpus, tmp_path / "ssms", cfg)
+    assert tok.get_vocab_size() == 300
+    ssms = report["ssms"]
+    if threshold == 0.0:  # SSM 1 "agrees" with every prompt: nothing left for SSM 2
+        assert len(ssms) == 1 and ssms[0]["dropped_prompts"] == 24
+    else:  # agrees on none: every SSM trains on all prompts
+        assert [s["train_prompts"] for s in ssms] == [24, 24, 24]
+    for s in ssms:
+        assert 0 <= s["agreement_held_out"] <= report["held_out_any_ssm_agrees"] <= 1
+        config = json.loads((tmp_path / "ssms" / f"ssm{s['ssm']}" / "config.json").read_text())
+        assert config["vocab_size"] == 300 and config["hidden_size"] == 16 and config.get("dtype", config.get("torch_dtype")) == "float16"
+    assert json.loads((tmp_path / "ssms" / "boost_tuning.json").read_text())["ssms"] == ssms
