@@ -119,7 +119,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     rows = []
 
     stats, reference = _ours(cfg, llm, [], [1], "ours incremental", params)
-    rows.append(_row("ours incremental", "specinfer", "-", "-", stats, identical=len(cfg.prompts)))
+    rows.append(_row("ours incremental", "specinfer", "-", "-", stats,
+                     identical=None if cfg.sampling else len(cfg.prompts)))
     for tree_name, tree in cfg.trees.items():
         if cfg.sampling:
             runs = [(f"ours MSS {tree_name}", ssms, "mss"), (f"ours naive {tree_name}", ssms, "naive")]
@@ -161,7 +162,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         r["speedup"] = r["tokens_per_s"] / base if r.get("tokens_per_s") else None
     return {"llm": str(cfg.llm), "ssms": [str(s) for s in cfg.ssms], "prompts": len(cfg.prompts),
             "max_new_tokens": cfg.max_new_tokens, "mode": "sampling (temperature 1)" if cfg.sampling else "greedy",
-            "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence, "rows": rows, "targets": targets(rows)}
+            "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence, "rows": rows, "targets": [] if cfg.sampling else targets(rows)}
 
 
 def targets(rows: list[dict]) -> list[dict]:

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 from .engines.loader import load_runtime
 from .generate import DEFAULT_BUDGET, DEFAULT_TREE, Stats, generate_ids
 from .sampling import SamplingParams
-from .speculate import DEFAULT_MIN_CONFIDENCE, parse_widths
+from .speculate import parse_widths
 from .text import TextStream, load_tokenizer
 
 
@@ -22,7 +22,7 @@ class Pipeline:
 
     def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] = DEFAULT_TREE,
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
-                 threads: int | None = None, min_confidence: float = DEFAULT_MIN_CONFIDENCE):
+                 threads: int | None = None, min_confidence: float = 0.0):
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.tree = parse_widths(tree) if isinstance(tree, str) else list(tree)
