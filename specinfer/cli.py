@@ -217,6 +217,10 @@ def cmd_serve(a) -> None:
     print(f"ready: HTTP http://{server.http_url}/v2/models/ensemble/generate  gRPC {server.grpc_url}  "
           f"metrics {server.metrics_url}  (Ctrl-C stops)")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C must stop the server even when our parent ignored SIGINT (a child inherits SIG_IGN,
+    # and Python then installs no KeyboardInterrupt handler): seen under pytest after
+    # onnxruntime-genai had run in the same process.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while server.process.poll() is None:
             time.sleep(0.5)
