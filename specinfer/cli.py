@@ -162,14 +162,18 @@ def cmd_bench(a) -> None:
     print(f"\nwrote {out / stem}.json, .md and .png")
 
 
-def cmd_train(a) -> None:
+def _given(config, **options):
+    """``config`` with the options the user gave (not None) in place of its defaults."""
     from dataclasses import replace
 
+    return replace(config, **{k: v for k, v in options.items() if v is not None})
+
+
+def cmd_train(a) -> None:
     from .training.corpus import stdlib_corpus
     from .training.train import TrainConfig, train_llm
 
-    cfg = replace(TrainConfig(), **{k: v for k, v in (("steps", a.steps), ("batch_size", a.batch_size),
-                                                       ("seq_len", a.seq_len), ("seed", a.seed)) if v is not None})
+    cfg = _given(TrainConfig(), steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
         raise SpecInferError("--steps and --batch-size must be >= 1, --seq-len >= 8")
     out = train_llm(stdlib_corpus(a.stdlib), a.output, cfg)
@@ -177,15 +181,12 @@ def cmd_train(a) -> None:
 
 
 def cmd_boost_tune(a) -> None:
-    from dataclasses import replace
-
     from .training.boost_tune import BoostConfig, boost_tune
     from .training.corpus import stdlib_corpus
 
     if not (Path(a.llm) / "tokenizer.json").is_file():
         raise SpecInferError(f"{a.llm} is not a checkpoint folder with a tokenizer.json")
-    cfg = replace(BoostConfig(), **{k: v for k, v in (("num_ssms", a.num_ssms), ("steps", a.steps),
-                                                       ("prompts", a.prompts), ("seed", a.seed)) if v is not None})
+    cfg = _given(BoostConfig(), num_ssms=a.num_ssms, steps=a.steps, prompts=a.prompts, seed=a.seed)
     if cfg.num_ssms < 1 or cfg.steps < 2 or cfg.prompts < 1:
         raise SpecInferError("--num-ssms and --prompts must be >= 1, --steps >= 2")
     boost_tune(a.llm, stdlib_corpus(a.stdlib), a.output, cfg)

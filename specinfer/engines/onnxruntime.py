@@ -44,7 +44,11 @@ class OrtRuntime(Runtime):
 
     def __init__(self, onnx_dir: str | Path, providers: list[str] | None = None,
                  threads: int | None = None, max_context: int | None = None):
+        import onnx
         import onnxruntime as ort
+        from onnxruntime.capi import _pybind_state
+
+        from ..plugins.onnx_function import share_attention_mask
 
         self.dir = Path(onnx_dir)
         self.manifest = read_manifest(self.dir)
@@ -65,14 +69,8 @@ class OrtRuntime(Runtime):
         # work would steal the cores from the session that runs next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.providers = providers or default_providers()
-        import onnx
-
-        from ..plugins.onnx_function import share_attention_mask
-
         model = share_attention_mask(onnx.load(str(self.dir / self.manifest["onnx"])))
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
-        from onnxruntime.capi import _pybind_state
-
         self._C = _pybind_state
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         n = config.num_layers

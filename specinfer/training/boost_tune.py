@@ -87,14 +87,10 @@ def greedy_hits(model, tokens: np.ndarray, labels: np.ndarray, prompt_len: int, 
     return np.concatenate(hits)
 
 
-def tree_acceptance(llm_dir: Path, ssm_dirs: list[Path], prompts: list[list[int]], tree: list[int],
-                    max_new_tokens: int = 64) -> float:
-    """Mean tokens per verification step of our speculative decoding (ONNX Runtime, greedy)."""
-    from ..engines.loader import load_runtime
+def tree_acceptance(llm, ssms: list, prompts: list[list[int]], tree: list[int], max_new_tokens: int = 64) -> float:
+    """Mean tokens per verification step of our speculative decoding (greedy) with these Runtimes."""
     from ..generate import Stats, generate_ids
 
-    llm = load_runtime(llm_dir, "onnxruntime")
-    ssms = [load_runtime(d, "onnxruntime") for d in ssm_dirs]
     stats = Stats()
     for prompt in prompts:
         for _ in generate_ids(llm, prompt, ssms=ssms, tree=tree, max_new_tokens=max_new_tokens, stats=stats):
@@ -172,12 +168,15 @@ def boost_tune(llm_dir: str | Path, corpus: Corpus, out_dir: str | Path, cfg: Bo
     if cfg.tree_prompts:
         tree = [1, 1, 3, 1, 1, 1, 1, 1]
         prompts = [list(map(int, row[:cfg.prompt_len])) for row in test_tokens[:cfg.tree_prompts]]
-        ssm_dirs = [out_dir / f"ssm{e['ssm']}" for e in report["ssms"]]
+        from ..engines.loader import load_runtime
+
+        llm_rt = load_runtime(llm_dir, "onnxruntime")
+        ssm_rts = [load_runtime(out_dir / f"ssm{e['ssm']}", "onnxruntime") for e in report["ssms"]]
         report["tree"] = ",".join(map(str, tree))
-        report["tokens_per_step_ssm1"] = tree_acceptance(llm_dir, ssm_dirs[:1], prompts, tree)
-        report["tokens_per_step_merged"] = tree_acceptance(llm_dir, ssm_dirs, prompts, tree)
+        report["tokens_per_step_ssm1"] = tree_acceptance(llm_rt, ssm_rts[:1], prompts, tree)
+        report["tokens_per_step_merged"] = tree_acceptance(llm_rt, ssm_rts, prompts, tree)
         print(f"held out, tree {report['tree']}: {report['tokens_per_step_ssm1']:.2f} tokens per step with SSM 1, "
-              f"{report['tokens_per_step_merged']:.2f} with all {len(ssm_dirs)} merged", flush=True)
+              f"{report['tokens_per_step_merged']:.2f} with all {len(ssm_rts)} merged", flush=True)
     print(f"some SSM agrees with the LLM on {report['held_out_any_ssm_agrees']:.1%} of held-out tokens", flush=True)
     (out_dir / "boost_tuning.json").write_text(json.dumps(report, indent=2))
     return report
