@@ -110,6 +110,8 @@ class SSMDrafter:
         free = self.runtime.capacity(self.seq) - self.runtime.length(self.seq)
         if len(chain) > free:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
+        if params.greedy and all(w == 1 for w in widths):
+            return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1))
         logits = self.runtime.score(self.seq, chain)
         pending = len(chain)
         self._slot[0] = pending - 1
@@ -138,6 +140,25 @@ class SSMDrafter:
                 self._slot[n] = pending + i
             pending += len(new)
             frontier = list(zip(new, logits))
+        return tree
+
+    def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int) -> TokenTree:
+        """A greedy chain in one Runtime call (:meth:`Runtime.draft_chain`), cut where the SSM's
+        confidence falls below ``min_confidence``. Draft token i sits at pending index
+        ``len(chain) + i``; the last one is not scored (an engine may score it, but we do not count
+        on it: if accepted, it is next step's catch-up)."""
+        self._slot[0] = len(chain) - 1
+        if depth < 1:
+            self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it
+            return tree
+        drafted, probability = self.runtime.draft_chain(self.seq, chain, depth)
+        node = 0
+        for i, (token, p) in enumerate(zip(drafted, probability)):
+            if p < self.min_confidence:
+                break
+            node = tree.add(node, token, Proposal(self.index, 0, None))
+            if i < depth - 1:
+                self._slot[node] = len(chain) + i
         return tree
 
     def commit(self, path_tokens: Sequence[int]) -> None:

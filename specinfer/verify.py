@@ -9,7 +9,9 @@ Sampling: multi-step speculative sampling (MSS, SpecInfer Algorithm 2). At node 
 distribution p, the candidates are u's (child, proposal) pairs in (ssm, rank) order. A candidate x
 drawn by SSM j from q is accepted with probability min(1, p[x] / q[x]); on rejection
 p <- normalize(max(0, p - q)) and the next candidate is tried; with none left, the bonus is drawn
-from p. Why the emitted tokens follow the LLM's distribution exactly:
+from p. A proposal without q is a deterministic candidate (an SSM's top tokens, a dynamic tree's
+picks): its proposal is the point mass on x, so it is accepted with probability p[x] and a rejection
+leaves p with x zeroed, renormalized. Why the emitted tokens follow the LLM's distribution exactly:
 
 * One step of rejection sampling (x ~ q, accept w.p. min(1, p/q), else draw from the residual
   normalize(max(0, p - q))) yields a token distributed as p. Conditioned on a rejection, the
@@ -29,6 +31,11 @@ from p. Why the emitted tokens follow the LLM's distribution exactly:
   second rejects it too).
 * Every SSM's proposals at a node must be its ranks 0..m-1 (``tree.merge`` cuts accordingly): a
   missing earlier draw would leave a later draw's law unknown.
+* A deterministic candidate is a "draw" from the point mass on its token, exactly so, whatever was
+  seen before: each one is a rejection-sampling step with proposal δ_x, so the induction holds with
+  no rank conditioning, in any order and mixed with other SSMs' sampled draws (a sampled draw is
+  conditioned on its SSM's earlier sampled draws only). With only deterministic candidates, MSS is
+  naive sampling: the token leaving u has law p and is accepted exactly when it is a child.
 
 Naive sampling (:func:`verify_naive`) draws from p at each node and follows the tree while the draw
 is a child; exact too, but it ignores the SSM distributions, so it accepts less.
@@ -79,21 +86,31 @@ def conditional_q(q: np.ndarray, drawn: list[int]) -> np.ndarray:
     return q / total if total > 0 else q
 
 
-def _candidates(tree: TokenTree, u: int) -> list[tuple[int, int, np.ndarray]]:
-    """(child, token, q) for u's children's proposals in (ssm, rank) order, q rank-conditioned."""
+def point_mass(token: int, size: int) -> np.ndarray:
+    """A deterministic candidate's proposal: all the mass on its token."""
+    q = np.zeros(size)
+    q[token] = 1.0
+    return q
+
+
+def _candidates(tree: TokenTree, u: int, vocab: int) -> list[tuple[int, int, np.ndarray]]:
+    """(child, token, q) for u's children's proposals in (ssm, rank) order: q conditioned on that
+    SSM's earlier sampled draws here, or the point mass on the token for a deterministic one."""
     pairs = sorted(((pr.ssm, pr.rank, c, pr.q) for c in tree.children(u) for pr in tree.proposals[c]),
                    key=lambda t: t[:2])
-    out, drawn = [], []
+    out, drawn, first = [], [], 0   # first: index in pairs of this SSM's rank 0
     for i, (ssm, rank, c, q) in enumerate(pairs):
-        if i == 0 or ssm != pairs[i - 1][0]:
-            drawn = []
-        if rank != len(drawn):
+        if i and ssm != pairs[i - 1][0]:
+            drawn, first = [], i
+        if rank != i - first:
             raise ValueError(f"SSM {ssm} proposes ranks {[t[1] for t in pairs if t[0] == ssm]} at node {u}; "
                              "verification needs ranks 0..m-1")
+        x = tree.tokens[c]
         if q is None:
-            raise ValueError("sampling verification needs each proposal's distribution q")
-        out.append((c, tree.tokens[c], conditional_q(q, drawn)))
-        drawn.append(tree.tokens[c])
+            out.append((c, x, point_mass(x, vocab)))
+        else:
+            out.append((c, x, conditional_q(q, drawn)))
+            drawn.append(x)
     return out
 
 
@@ -104,7 +121,7 @@ def verify_mss(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
     while True:
         u = path[-1]
         p = probabilities(llm_logits[u], params)
-        for child, x, q in _candidates(tree, u):
+        for child, x, q in _candidates(tree, u, len(p)):
             # Accept with probability min(1, p[x] / q[x]), written without a division.
             if rng.random() * q[x] < p[x]:
                 path.append(child)

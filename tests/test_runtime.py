@@ -103,5 +103,15 @@ def test_onnxruntime_writes_kv_in_place(exported):
     rt.prefill(seq, PROMPT)
     rt.score(seq, [5])
     assert rt._sequences[seq].kv is buffer and buffer.ctypes.data == address
-    assert np.abs(buffer[:, :, len(PROMPT)]).sum() > 0      # the step's KV, written through the binding
-    assert np.abs(buffer[:, :, len(PROMPT) + 1:]).sum() == 0  # nothing beyond it
+    slots = buffer.shape.index(rt.max_context)                # [layer, K|V, kv_head, slot, head_dim]
+    assert slots == 3
+    assert np.abs(buffer[:, :, :, len(PROMPT)]).sum() > 0      # the step's KV, written through the binding
+    assert np.abs(buffer[:, :, :, len(PROMPT) + 1:]).sum() == 0  # nothing beyond it
+
+
+def test_tree_on_an_empty_cache(runtime, reference):
+    """A branching tree as a sequence's very first call: positions are depths, not 0..T-1."""
+    seq = runtime.start()
+    logits = runtime.score(seq, [10, 20, 30, 40], [-1, 0, 0, 2])
+    assert np.abs(logits[2] - reference([10, 30])).max() < TOL
+    assert np.abs(logits[3] - reference([10, 30, 40])).max() < TOL

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
-from ..plugins.tree_attention import ancestor_matrix, pack_bits
+from ..plugins.tree_attention import ancestor_matrix
 
 
 @dataclass
@@ -36,6 +36,7 @@ class SequenceState:
     length: int = 0             # committed tokens
     parents: list[int] = field(default_factory=list)   # pending nodes' parents (-1 = the prefix)
     depths: list[int] = field(default_factory=list)
+    bindings: dict = field(default_factory=dict)   # an engine's per-sequence handles (ONNX Runtime: IOBindings)
 
     @property
     def pending(self) -> int:
@@ -62,9 +63,11 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     def _forward(self, seq: SequenceState, tokens: np.ndarray, positions: np.ndarray,
-                 tree_mask: np.ndarray) -> np.ndarray:
-        """Run the model on T new tokens over ``seq.kv[:, :, :start]`` (start = committed + pending
-        before this call), write their KV to slots ``[start, start + T)``, return float32 [T, V]."""
+                 visible: np.ndarray) -> np.ndarray:
+        """Run the model on T new tokens over the cache's first ``start`` slots (start = committed +
+        pending before this call), write their KV to slots ``[start, start + T)``, return float32
+        [T, V]. ``visible`` is the pending tree's ancestor matrix, bool [N, N] (N = pending + T, its
+        first node at slot ``seq.length``; :func:`pack_bits` gives the graphs' packed form)."""
 
     # --- the interface ---------------------------------------------------------------------------
     @property
@@ -114,8 +117,7 @@ class Runtime(abc.ABC):
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         t, m = len(tokens), seq.pending
-        if t == 0:
-            raise SpecInferError("score needs at least one token")
+        self._check_tokens(tokens)
         if parents is None:
             parents = [m - 1 + i for i in range(t)]
         parents = [int(p) for p in parents]
@@ -127,17 +129,15 @@ class Runtime(abc.ABC):
         if seq.length + m + t > seq.capacity:
             raise SpecInferError(f"context capacity {seq.capacity} reached: {seq.length} committed, "
                                  f"{m} pending and {t} new tokens do not fit")
-        if ((tokens < 0) | (tokens >= self.vocab_size)).any():
-            raise SpecInferError(f"token id out of range 0..{self.vocab_size - 1}")
         all_parents = seq.parents + parents
         # Only the tree built since the last commit enters the mask; its first node sits at slot
         # `length`, so the mask covers N = m + t tree tokens and the prefix is implicit.
-        mask = pack_bits(ancestor_matrix(all_parents))
+        visible = ancestor_matrix(all_parents)
         depths = [0] * t
         for i, p in enumerate(parents):  # a node's parent may be in this very call
             depths[i] = 0 if p < 0 else (seq.depths[p] if p < m else depths[p - m]) + 1
         positions = seq.length + np.asarray(depths, dtype=np.int64)
-        logits = self._forward(seq, tokens, positions, mask)
+        logits = self._forward(seq, tokens, positions, visible)
         seq.parents = all_parents
         seq.depths = seq.depths + depths
         return logits
@@ -161,6 +161,24 @@ class Runtime(abc.ABC):
         seq.length += len(path)
         seq.parents, seq.depths = [], []
 
+    def draft_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int) -> tuple[list[int], list[float]]:
+        """Greedy drafting: score ``tokens`` as a chain after the committed prefix (no pending tree),
+        then extend it ``depth`` tokens by argmax. Returns the drafted tokens and each one's
+        probability under the model (temperature 1). The drafted tokens but the last are left
+        pending after ``tokens``, as a chain: pending node ``len(tokens) + i`` is draft token i.
+        An engine may draft more tokens than asked (and leave them pending) to do it in one call.
+        """
+        if self._get(seq_id).pending:
+            raise SpecInferError("draft_chain needs a sequence with no pending tree: commit first")
+        logits = self.score(seq_id, tokens)[-1]
+        drafted, probability = [], []
+        for i in range(depth):
+            drafted.append(int(np.argmax(logits)))
+            probability.append(float(1.0 / np.exp(logits - logits.max()).sum()))
+            if i + 1 < depth:
+                logits = self.score(seq_id, drafted[-1:])[0]
+        return drafted, probability
+
     def prefill(self, seq_id: Hashable, tokens: Sequence[int]) -> np.ndarray:
         """Score and commit a chain of tokens; returns the logits of the last one, float32 [V]."""
         if self._get(seq_id).pending:
@@ -170,6 +188,12 @@ class Runtime(abc.ABC):
         return logits[-1]
 
     # --- helpers -----------------------------------------------------------------------------------
+    def _check_tokens(self, tokens: np.ndarray) -> None:
+        if len(tokens) == 0:
+            raise SpecInferError("score needs at least one token")
+        if ((tokens < 0) | (tokens >= self.vocab_size)).any():
+            raise SpecInferError(f"token id out of range 0..{self.vocab_size - 1}")
+
     def _move(self, seq: SequenceState, src: np.ndarray, dst: np.ndarray) -> None:
         for s, d in zip(src, dst):
             seq.kv[:, :, d] = seq.kv[:, :, s]

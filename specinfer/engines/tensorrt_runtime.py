@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
+from ..plugins.tree_attention import pack_bits
 from .runtime import Runtime, SequenceState
 from .tensorrt_build import pick_profile, read_engine_manifest, require_tensorrt
 
@@ -62,11 +63,17 @@ class TrtRuntime(Runtime):
 
     def _allocate(self, capacity: int):
         c = self.config
-        return self.torch.zeros(c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, dtype=self.dtype,
-                                device=self.device)
+        # Allocate and zero on self.stream, the only stream that ever touches the buffer (_forward,
+        # _move): the fill is then ordered before the first step with no cross-stream wait, and the
+        # caching allocator ties the block to that stream, so its reuse after release is ordered too.
+        # (On the default stream, the engine could read the buffer before the fill ran.)
+        with self.torch.cuda.stream(self.stream):
+            return self.torch.zeros(c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                                    device=self.device)
 
-    def _forward(self, seq: SequenceState, tokens, positions, tree_mask) -> np.ndarray:
+    def _forward(self, seq: SequenceState, tokens, positions, visible) -> np.ndarray:
         torch, c = self.torch, self.config
+        tree_mask = pack_bits(visible)
         start, t, (n, w) = seq.length + seq.pending, len(tokens), tree_mask.shape
         past_shape = (1, start, c.num_kv_heads, c.head_dim)
         shapes = {"input_ids": (1, t), "position_ids": (1, t), "tree_mask": (1, n, w),

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..model import LlamaModel, load_model
+from ..plugins.tree_attention import pack_bits
 from .runtime import Runtime, SequenceState
 
 
@@ -29,12 +30,12 @@ class TorchRuntime(Runtime):
                            dtype=self.dtype, device=self.device)
 
     @torch.no_grad()
-    def _forward(self, seq: SequenceState, tokens, positions, tree_mask) -> np.ndarray:
+    def _forward(self, seq: SequenceState, tokens, positions, visible) -> np.ndarray:
         start, t = seq.length + seq.pending, len(tokens)
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))[None].to(self.device)
         kv = seq.kv
         logits, keys, values = self.model(
-            as_tensor(tokens), as_tensor(positions), as_tensor(tree_mask),
+            as_tensor(tokens), as_tensor(positions), as_tensor(pack_bits(visible)),
             [kv[i, 0, :start][None] for i in range(self.config.num_layers)],
             [kv[i, 1, :start][None] for i in range(self.config.num_layers)],
         )

@@ -25,7 +25,7 @@ from ..plugins.tree_attention import tree_mask_from_parents
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
 # Bumped whenever the exported graph changes, so cached exports of checkpoints are redone.
-EXPORT_FORMAT = "specinfer-onnx/2"  # 2: RoPE as one RotaryEmbedding node
+EXPORT_FORMAT = "specinfer-onnx/3"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well under it
@@ -125,7 +125,7 @@ def export_model(
         raise SpecInferError(f"--max-context must be at least 2, got {max_context}")
     check_context(config, max_context)
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    steps = ["load weights", "trace to ONNX", "write", "validate" if validate else "done"]
+    steps = ["load weights", "trace to ONNX", "write", "validate", "lower for ONNX Runtime"]
     bar, advance = _progress(steps) if progress else (None, lambda i: None)
 
     advance(0)
@@ -182,18 +182,33 @@ def export_model(
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     diffs = None
+    advance(3)
     if validate:
-        advance(3)
         diffs = validate_export(onnx_path, flat, config, dtype)
         manifest["validation"] = {"max_abs_logit_diff": diffs, "tolerance": TOLERANCE[dtype]}
         if dtype == "bf16":
             manifest["validation"]["method"] = ("bf16 weights computed in float32 on both sides (ONNX Runtime's CPU "
                                                 "provider has no bf16 kernels); bf16 activations unchecked")
+    advance(4)
+    _write_ort_lowering(model.float(), flat, out_dir, max_context, validate, manifest)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     if bar is not None:
         bar.update(1)
         bar.close()
     return ExportResult(out_dir, onnx_path, manifest, diffs)
+
+
+def _write_ort_lowering(model, flat, out_dir: Path, max_context: int, validate: bool, manifest: dict) -> None:
+    """Write the graphs the ONNX Runtime engine runs (the model, and its one-call chain drafter),
+    and check the model's against the float32 PyTorch model. Both graphs read one weights file."""
+    from . import ort_lowering
+
+    files = ort_lowering.save(model, out_dir, max_context, ort_lowering.DRAFT_DEPTH)
+    if validate:
+        diffs = ort_lowering.validate_lowering(str(out_dir / files["ort_onnx"]), flat, model.config, max_context,
+                                               TOLERANCE["fp32"])
+        manifest.setdefault("validation", {})["ort_lowering_max_abs_logit_diff"] = diffs
+    manifest.update(files)
 
 
 def _io_spec(name: str, config, dtype: str) -> dict:

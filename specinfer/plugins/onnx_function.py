@@ -106,32 +106,3 @@ def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def tree_attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [node for node in model.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
-
-
-def share_attention_mask(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with TreeAttention inlined and one attention mask for all layers.
-
-    Every layer's mask is built from the same ``tree_mask`` and the same past length (all layers'
-    caches grow together), so it is one mask; but each inlined body builds its own (~20 small
-    nodes a layer, which on a CPU cost more than a small layer's matmuls). ONNX Runtime's common
-    subexpression elimination cannot merge them: each copy has its own constants and reads its
-    own layer's ``past_key`` shape. Here every ``Attention`` takes the first one's mask, and the
-    nodes that only built the others' are removed.
-    """
-    import onnx.inliner
-
-    model = onnx.inliner.inline_local_functions(model)
-    graph = model.graph
-    attention = [node for node in graph.node if node.op_type == "Attention" and node.domain in ("", "ai.onnx")]
-    if len(attention) > 1:
-        for node in attention[1:]:
-            node.input[3] = attention[0].input[3]
-        needed = {o.name for o in graph.output}
-        kept = []
-        for node in reversed(graph.node):  # nodes are topologically sorted
-            if any(o in needed for o in node.output):
-                kept.append(node)
-                needed.update(i for i in node.input if i)
-        del graph.node[:]
-        graph.node.extend(reversed(kept))
-    return model

@@ -1,0 +1,345 @@
+"""TreeAttention lowered for ONNX Runtime's CPU provider: the graph ONNX Runtime actually runs.
+
+The portable export (``model.onnx``) keeps one ``specinfer::TreeAttention`` node per layer for
+TensorRT's plugin. On a CPU that graph pays per node and copies the whole cache every step (its
+function body concatenates past and new KV). This lowering writes the same model the way ONNX
+Runtime runs fastest, the recipe of onnxruntime-genai's builder plus a tree:
+
+* attention is ``com.microsoft::GroupQueryAttention`` with rotary inside (``do_rotary``, cos/sin
+  tables of the model's own RoPE), the tree as ``attention_bias`` and ``position_ids`` (a node's
+  position is the prefix length plus its depth);
+* the KV cache is one fixed-capacity buffer per layer and K|V, ``[B, Hkv, capacity, D]``, bound by
+  the runtime as both ``past_*`` and ``present_*``: the kernel then reads the cache in place and
+  writes only the new rows (slots ``seqlens_k + 1 - T`` onwards), so no step copies the cache;
+* q, k and v are one MatMul, gate and up one MatMul, and residual adds are fused into the RMS norms
+  (``SkipSimplifiedLayerNormalization``): about 14 nodes a layer instead of about 38.
+
+Weights are float32 whatever the export's dtype (ONNX Runtime's CPU kernels are float32 kernels).
+Inputs: ``input_ids``, ``position_ids`` int64 [B, T]; ``attention_bias`` float32 [B, 1, T, P + T]
+(0 where a key is visible, the lowest float elsewhere); ``seqlens_k`` int32 [B] (= P + T - 1);
+``total_sequence_length`` int32 scalar (= P + T); ``past_key.i``/``past_value.i``. Outputs:
+``logits`` float32 [B, T, V] and ``present_key.i``/``present_value.i``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
+
+    from ..model import LlamaModel
+
+ORT_ONNX = "model.ort.onnx"
+DRAFT_ONNX = "draft.ort.onnx"
+WEIGHTS = "weights.ort.bin"   # both graphs' initializers, written once
+DRAFT_DEPTH = 8               # tokens a one-call draft proposes
+MS = "com.microsoft"
+
+
+def input_names(num_layers: int) -> list[str]:
+    kv = [f"past_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return ["input_ids", "position_ids", "attention_bias", "seqlens_k", "total_sequence_length"] + kv
+
+
+def output_names(num_layers: int) -> list[str]:
+    return ["logits"] + [f"present_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def lowered_head_dim(head_dim: int) -> int:
+    """GroupQueryAttention's CPU kernel takes head sizes that are multiples of 16: smaller or odd
+    heads are zero-padded to the next one (exact: padded q and k columns add 0 to q.k, padded v
+    columns give output columns that o_proj multiplies by zero rows)."""
+    return -(-head_dim // 16) * 16
+
+
+def _pad_heads(w: np.ndarray, heads: int, d: int, axis: int) -> np.ndarray:
+    """Pad each head's d entries along ``axis`` to lowered_head_dim(d), half by half, so that
+    rotate-half RoPE still pairs entry i with entry i + D/2."""
+    dp = lowered_head_dim(d)
+    if dp == d:
+        return w
+    w = np.moveaxis(w, axis, 0)
+    parts = w.reshape(heads, 2, d // 2, *w.shape[1:])
+    pad = np.zeros((heads, 2, (dp - d) // 2, *w.shape[1:]), dtype=w.dtype)
+    return np.moveaxis(np.concatenate([parts, pad], axis=2).reshape(heads * dp, *w.shape[1:]), 0, axis)
+
+
+def rope_tables(model: "LlamaModel", max_context: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_context, D'/2] computed exactly as the PyTorch model computes them
+    (D' the lowered head size; padded entries rotate zeros)."""
+    import torch
+
+    freqs = torch.arange(max_context)[:, None].float() * model.inv_freq.float()
+    cos, sin = freqs.cos().numpy(), freqs.sin().numpy()
+    extra = (lowered_head_dim(model.config.head_dim) - model.config.head_dim) // 2
+    return np.pad(cos, ((0, 0), (0, extra)), constant_values=1.0), np.pad(sin, ((0, 0), (0, extra)))
+
+
+class _Graph:
+    """Nodes and float32 weights of a graph being written; weights are shared by name."""
+
+    def __init__(self, model: "LlamaModel", max_context: int):
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.model, self.config = model, model.config
+        self.nodes: list = []
+        self.weights: dict[str, object] = {}
+        cos, sin = rope_tables(model, max_context)
+        self.weight("cos_cache", cos)
+        self.weight("sin_cache", sin)
+
+    def weight(self, name: str, array) -> str:
+        if name not in self.weights:
+            self.weights[name] = self.numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name)
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> list[str]:
+        self.nodes.append(self.helper.make_node(op, inputs, outputs, name=outputs[0], domain=domain, **attrs))
+        return outputs
+
+    def project(self, x: str, tag: str, name: str, *modules, heads: tuple[int, ...] = (), rows: int = 0) -> str:
+        """x @ W (+ b) for one or more nn.Linear stacked along their outputs (one MatMul for all).
+        ``heads`` (per module, its head count) pads attention heads' output columns, ``rows`` (a
+        head count) the input rows of o_proj, to the lowered head size."""
+        d = self.config.head_dim
+        ws = [m.weight.detach().float().numpy().T for m in modules]
+        bs = [m.bias.detach().float().numpy() if m.bias is not None else np.zeros(m.out_features, np.float32)
+              for m in modules]
+        if heads:
+            ws = [_pad_heads(w, h, d, axis=1) for w, h in zip(ws, heads)]
+            bs = [_pad_heads(b, h, d, axis=0) for b, h in zip(bs, heads)]
+        if rows:
+            ws = [_pad_heads(w, rows, d, axis=0) for w in ws]
+        out = self.node("MatMul", [x, self.weight(f"{name}.weight", np.concatenate(ws, axis=1))], [f"{tag}{name}.out"])[0]
+        if all(m.bias is None for m in modules):
+            return out
+        return self.node("Add", [out, self.weight(f"{name}.bias", np.concatenate(bs))], [f"{tag}{name}.biased"])[0]
+
+    def norm(self, module, name: str) -> str:
+        return self.weight(name, module.weight.detach().float().numpy())
+
+    def decoder(self, tag: str, input_ids: str, position_ids: str, seqlens_k: str, total: str,
+                bias: str, presents: list[tuple[str, str]], last_only: bool = False) -> str:
+        """The model over new tokens ``input_ids``; returns its logits' name ([B, T, V], or [B, 1, V]
+        with ``last_only``). ``presents[i]`` names layer i's present key and value outputs."""
+        c, eps = self.config, float(self.config.rms_norm_eps)
+        node = self.node
+        hidden = node("Gather", [self.weight("embed_tokens", self.model.model.embed_tokens.weight.detach()
+                                             .float().numpy()), input_ids], [f"{tag}embedded"])[0]
+        residual, pending = hidden, None   # pending: the last sub-block's output, not yet in residual
+        for i, layer in enumerate(self.model.model.layers):
+            p = f"{tag}layers.{i}"
+            attn, mlp, w = layer.self_attn, layer.mlp, f"layers.{i}"
+            w_in = self.norm(layer.input_layernorm, f"{w}.input_norm")
+            if pending is None:
+                x = node("SimplifiedLayerNormalization", [residual, w_in], [f"{p}.input_norm.out"],
+                         epsilon=eps, axis=-1, stash_type=1)[0]
+            else:
+                x, residual = node("SkipSimplifiedLayerNormalization", [residual, pending, w_in],
+                                   [f"{p}.input_norm.out", "", "", f"{p}.residual_in"], domain=MS, epsilon=eps)[::3]
+            qkv = self.project(x, tag, f"{w}.qkv", attn.q_proj, attn.k_proj, attn.v_proj,
+                               heads=(c.num_heads, c.num_kv_heads, c.num_kv_heads))
+            a = node("GroupQueryAttention",
+                     [qkv, "", "", f"past_key.{i}", f"past_value.{i}", seqlens_k, total,
+                      "cos_cache", "sin_cache", position_ids, bias],
+                     [f"{p}.attn", *presents[i]], domain=MS,
+                     num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, scale=1.0 / float(np.sqrt(c.head_dim)),
+                     do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
+            o = self.project(a, tag, f"{w}.o_proj", attn.o_proj, rows=c.num_heads)
+            w_post = self.norm(layer.post_attention_layernorm, f"{w}.post_norm")
+            x, residual = node("SkipSimplifiedLayerNormalization", [residual, o, w_post],
+                               [f"{p}.post_norm.out", "", "", f"{p}.residual_mid"], domain=MS, epsilon=eps)[::3]
+            gate_up = self.project(x, tag, f"{w}.gate_up", mlp.gate_proj, mlp.up_proj)
+            gate, up = node("Split", [gate_up], [f"{p}.gate", f"{p}.up"], axis=-1, num_outputs=2)
+            act = node("Mul", [gate, node("Sigmoid", [gate], [f"{p}.sigmoid"])[0]], [f"{p}.silu"])[0]
+            pending = self.project(node("Mul", [act, up], [f"{p}.act"])[0], tag, f"{w}.down", mlp.down_proj)
+        if last_only:  # only the last token's logits are read: skip the head for the others
+            last = self.constant("last_index", np.array([-1], np.int64))
+            residual = node("Gather", [residual, last], [f"{tag}residual_last"], axis=1)[0]
+            pending = node("Gather", [pending, last], [f"{tag}pending_last"], axis=1)[0]
+        x = node("SkipSimplifiedLayerNormalization", [residual, pending, self.norm(self.model.model.norm, "final_norm")],
+                 [f"{tag}final_norm.out"], domain=MS, epsilon=eps)[0]
+        lm_head = self.model.lm_head.weight.detach().float().numpy().T
+        return node("MatMul", [x, self.weight("lm_head", lm_head)], [f"{tag}logits"])[0]
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        if name not in self.weights:
+            self.weights[name] = self.numpy_helper.from_array(array, name)
+        return name
+
+    def model_proto(self, inputs, outputs) -> "onnx.ModelProto":
+        h = self.helper
+        graph = h.make_graph(self.nodes, "specinfer_ort", inputs, outputs, list(self.weights.values()))
+        return h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid(MS, 1)],
+                            ir_version=10, producer_name="specinfer")
+
+
+def _kv_values(c, names: list[str]):
+    from onnx import TensorProto, helper
+
+    shape = ["batch", c.num_kv_heads, "capacity", lowered_head_dim(c.head_dim)]
+    return [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names]
+
+
+def _step_inputs(c, with_bias: bool):
+    from onnx import TensorProto, helper
+
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "tree"]),
+              helper.make_tensor_value_info("position_ids", i64, ["batch", "tree"])]
+    if with_bias:
+        inputs.append(helper.make_tensor_value_info("attention_bias", f32, ["batch", 1, "tree", "total"]))
+    inputs += [helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
+               helper.make_tensor_value_info("total_sequence_length", i32, [])]
+    return inputs + _kv_values(c, input_names(c.num_layers)[5:])
+
+
+def lower(model: "LlamaModel", max_context: int) -> "onnx.ModelProto":
+    """The ONNX Runtime graph of ``model`` (see the module docstring)."""
+    from onnx import TensorProto, helper
+
+    c = model.config
+    g = _Graph(model, max_context)
+    presents = output_names(c.num_layers)[1:]
+    g.decoder("", "input_ids", "position_ids", "seqlens_k", "total_sequence_length", "attention_bias",
+              list(zip(presents[0::2], presents[1::2])))
+    g.nodes[-1].output[0] = "logits"
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "tree", c.vocab_size])]
+    return g.model_proto(_step_inputs(c, with_bias=True), outputs + _kv_values(c, presents))
+
+
+def drafter_present_names(num_layers: int, depth: int) -> list[list[str]]:
+    """Per unrolled step, its present outputs (layer-major key, value), all bound to the one cache."""
+    return [[f"present_{kv}.{i}.step{j}" for i in range(num_layers) for kv in ("key", "value")]
+            for j in range(depth)]
+
+
+def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.ModelProto":
+    """A greedy chain of ``depth`` tokens drafted in one session run.
+
+    Step 0 scores ``input_ids`` (tokens the model has not seen, the root last), every later step
+    the token the step before chose (its argmax). Outputs ``draft_tokens`` int64 [1, depth] and
+    ``draft_mass`` float32 [1, depth, 1], the inverse of each token's probability under the model
+    (its confidence, at temperature 1). The cache gains the KV of the inputs and of the first depth - 1 draft tokens.
+    Every new token sees everything before it (the cache holds only committed tokens when a draft
+    starts) and its position is its slot, so the graph takes neither a bias nor positions: the
+    attention kernel derives them from ``seqlens_k``. ORT pays a few microseconds per kernel here,
+    so each unrolled step is kept to about 27 kernels.
+    """
+    from onnx import TensorProto, helper
+
+    c = model.config
+    g = _Graph(model, max_context)
+    presents = drafter_present_names(c.num_layers, depth)
+    one = g.constant("one_i32", np.array(1, np.int32))
+    ids, seqlens, total = "input_ids", "seqlens_k", "total_sequence_length"
+    tokens, mass = [], []
+    for j in range(depth):
+        tag = f"step{j}/"
+        if j:
+            seqlens = g.node("Add", [seqlens, one], [f"{tag}seqlens_k"])[0]
+            total = g.node("Add", [total, one], [f"{tag}total"])[0]
+        logits = g.decoder(tag, ids, "", seqlens, total, "", list(zip(presents[j][0::2], presents[j][1::2])),
+                           last_only=True)                                                # [1, 1, V]
+        top, index = g.node("TopK", [logits, g.constant("k1", np.array([1], np.int64))],
+                            [f"{tag}top", f"{tag}index"], axis=-1)
+        ids = g.node("Squeeze", [index, g.constant("last_axis", np.array([-1], np.int64))], [f"{tag}token"])[0]
+        tokens.append(ids)                                                                 # [1, 1]
+        # sum(exp(logits - max)) = 1 / (the token's probability). ReduceLogSumExp would be one kernel,
+        # but ONNX Runtime's is about 10x slower than these three.
+        shifted = g.node("Exp", [g.node("Sub", [logits, top], [f"{tag}shifted"])[0]], [f"{tag}exp"])[0]
+        mass.append(g.node("ReduceSum", [shifted, "last_axis"], [f"{tag}mass"], keepdims=1)[0])
+    g.node("Concat", tokens, ["draft_tokens"], axis=1)
+    g.node("Concat", mass, ["draft_mass"], axis=1)
+    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, [1, depth]),
+               helper.make_tensor_value_info("draft_mass", TensorProto.FLOAT, [1, depth, 1])]
+    outputs += _kv_values(c, [n for step in presents for n in step])
+    inputs = [i for i in _step_inputs(c, with_bias=False) if i.name != "position_ids"]
+    return g.model_proto(inputs, outputs)
+
+
+def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPTH) -> dict[str, object]:
+    """Write the lowered model and its drafter into ``out_dir``, their weights once in one file;
+    returns the manifest entries naming them."""
+    import onnx
+    from onnx import external_data_helper
+
+    out_dir = Path(out_dir)
+    (out_dir / WEIGHTS).unlink(missing_ok=True)
+    main = lower(model, max_context)
+    onnx.save(main, out_dir / ORT_ONNX, save_as_external_data=True, all_tensors_to_one_file=True,
+              location=WEIGHTS, size_threshold=1024)
+    stored = {t.name: t for t in onnx.load(out_dir / ORT_ONNX, load_external_data=False).graph.initializer}
+    draft = lower_drafter(model, max_context, depth)
+    for tensor in draft.graph.initializer:  # the same weights under the same names: point at them
+        if tensor.name in stored and stored[tensor.name].data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in stored[tensor.name].external_data}
+            external_data_helper.set_external_data(tensor, WEIGHTS, int(info["offset"]), int(info["length"]))
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            tensor.ClearField("raw_data")
+    onnx.save(draft, out_dir / DRAFT_ONNX)
+    return {"ort_onnx": ORT_ONNX, "draft_onnx": DRAFT_ONNX, "draft_depth": depth,
+            "ort_head_dim": lowered_head_dim(model.config.head_dim)}
+
+
+# --- feeds: what the runtime binds each step, also used to validate the lowering -------------------
+def attention_bias(parents_of_tree: np.ndarray, prefix: int, num_new: int) -> np.ndarray:
+    """float32 [1, 1, T, prefix + N]: 0 where a new token sees a key, the lowest float elsewhere.
+
+    ``parents_of_tree`` is the ancestor matrix (bool [N, N]) of the pending tree, whose last T rows
+    are the new tokens; the ``prefix`` committed tokens are visible to all."""
+    n = parents_of_tree.shape[0]
+    bias = np.zeros((1, 1, num_new, prefix + n), dtype=np.float32)
+    bias[0, 0, :, prefix:] = np.where(parents_of_tree[n - num_new:], 0.0, np.finfo(np.float32).min)
+    return bias
+
+
+def validate_lowering(model_bytes: bytes, flat_model, config, max_context: int, tolerance: float) -> dict[str, float]:
+    """The lowered graph against the PyTorch model: a prefill, then a branching tree over it."""
+    import onnxruntime as ort
+    import torch
+
+    from ..plugins.tree_attention import ancestor_matrix, tree_mask_from_parents
+
+    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    c = config
+    capacity = min(max_context, 64)
+    buffers = {n: np.zeros((1, c.num_kv_heads, capacity, lowered_head_dim(c.head_dim)), np.float32)
+               for n in input_names(c.num_layers)[5:]}
+    cases = [("prefill", list(range(-1, 10)), 0), ("tree_step", [-1, 0, 0, 1, 1, 2, 5], 11)]
+    diffs = {}
+    for case, parents, past in cases:
+        t = len(parents)
+        tokens = rng.integers(0, c.vocab_size, t)
+        anc = ancestor_matrix(parents)
+        depth = anc.sum(1) - 1
+        feeds = {"input_ids": tokens[None], "position_ids": (past + depth)[None].astype(np.int64),
+                 "attention_bias": attention_bias(anc, past, t),
+                 "seqlens_k": np.array([past + t - 1], np.int32),
+                 "total_sequence_length": np.array(past + t, np.int32)} | buffers
+        outputs = session.run(None, feeds)
+        got = outputs[0]
+        # PyTorch: the same tokens over the same committed prefix (the prefill's tokens).
+        half, dp = c.head_dim // 2, lowered_head_dim(c.head_dim)
+        unpadded = np.concatenate([np.arange(half), dp // 2 + np.arange(half)])
+        past_kv = [torch.from_numpy(np.ascontiguousarray(buffers[n][:, :, :past][..., unpadded].transpose(0, 2, 1, 3)))
+                   for n in input_names(c.num_layers)[5:]]
+        with torch.no_grad():
+            want = flat_model(torch.from_numpy(tokens[None]), torch.from_numpy(feeds["position_ids"]),
+                              torch.from_numpy(tree_mask_from_parents(parents)[None]), *past_kv)[0].numpy()
+        diffs[case] = float(np.abs(got - want).max())
+        if case == "prefill":  # keep the prefill's KV as the next case's cache
+            for name, present in zip(input_names(c.num_layers)[5:], outputs[1:]):
+                buffers[name] = np.ascontiguousarray(present)
+    worst = max(diffs.values())
+    if not worst <= tolerance:
+        from ..errors import SpecInferError
+
+        raise SpecInferError(f"validation failed: the ONNX Runtime lowering and PyTorch differ by {worst:.3g} "
+                             f"(tolerance {tolerance}): {diffs}")
+    return diffs
