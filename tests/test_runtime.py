@@ -115,3 +115,23 @@ def test_tree_on_an_empty_cache(runtime, reference):
     logits = runtime.score(seq, [10, 20, 30, 40], [-1, 0, 0, 2])
     assert np.abs(logits[2] - reference([10, 30])).max() < TOL
     assert np.abs(logits[3] - reference([10, 30, 40])).max() < TOL
+
+
+def test_one_call_draft_is_the_token_by_token_draft(exported):
+    """The unrolled drafter graph drafts the greedy chain of the Runtime's own score calls, with the
+    same probabilities, and leaves the same KV behind: after committing part of the draft, the next
+    step's logits agree."""
+    from specinfer.engines.runtime import Runtime
+
+    rt = OrtRuntime(exported["llama3"])
+    fast, slow = rt.start(), rt.start()
+    results = []
+    for seq, draft in ((fast, rt.draft_chain), (slow, lambda *a: Runtime.draft_chain(rt, *a))):
+        rt.prefill(seq, PROMPT)
+        tokens, probability = draft(seq, [7, 8], 5)
+        rt.commit(seq, [0, 1, 2, 3])               # 7, 8 and the first two drafted tokens
+        results.append((tokens, probability, rt.score(seq, [tokens[2]])[0]))
+    (t1, p1, l1), (t2, p2, l2) = results
+    assert t1 == t2 and len(t1) == 5
+    assert np.allclose(p1, p2, atol=1e-5) and all(0 < p <= 1 for p in p1)
+    assert np.abs(l1 - l2).max() < TOL
