@@ -21,7 +21,7 @@ class Proposal:
 
     ssm: int                   # index of the SSM that drew the node
     rank: int                  # 0, 1, 2...: order in which that SSM drew its children at this parent
-    q: np.ndarray | None       # that SSM's shaped distribution at the parent, float64 [V]; None under greedy
+    q: np.ndarray | None       # that SSM's shaped distribution at the parent, float64 [V]; None: a deterministic candidate (greedy drafts, top-k)
 
 
 class TokenTree:
