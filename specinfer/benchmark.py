@@ -1,5 +1,5 @@
-"""Measurements people look at: step times of a Runtime, and `specinfer bench` (every contender on the
-same prompts in one run, outputs checked, a JSON/markdown/PNG report)."""
+"""`specinfer bench`: every contender on the same prompts in one run, outputs checked, a
+JSON/markdown/PNG report. (Step times of a Runtime are :func:`specinfer.tree_sizing.step_times`.)"""
 from __future__ import annotations
 
 import os
@@ -24,51 +24,20 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
-def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[int],
-               repeats: int = 20, seed: int = 0) -> list[dict]:
-    """Median wall time of one ``score`` call of a T-node tree over a cache of C tokens.
-
-    The tree is a balanced binary tree (node i's parent is (i - 1) // 2), a shape between a chain
-    and a star; the step is discarded after timing (commit of an empty path), so the cache stays C.
-    """
-    rng = np.random.default_rng(seed)
-    results = []
-    for context in contexts:
-        seq = runtime.start()
-        try:
-            runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
-            for t in tree_sizes:
-                tokens = rng.integers(0, runtime.vocab_size, t)
-                parents = [(i - 1) // 2 if i else -1 for i in range(t)]
-                runtime.score(seq, tokens, parents)  # warm-up: shapes, allocator
-                runtime.commit(seq, [])
-                samples = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    runtime.score(seq, tokens, parents)
-                    samples.append(time.perf_counter() - start)
-                    runtime.commit(seq, [])
-                results.append({"context": context, "tree_tokens": t,
-                                "median_ms": 1e3 * float(np.median(samples)),
-                                "p90_ms": 1e3 * float(np.percentile(samples, 90))})
-        finally:
-            runtime.release(seq)
-    return results
-
-
 @dataclass
 class BenchConfig:
     """One ``specinfer bench`` run: the same prompts through every contender, greedy unless ``sampling``."""
     llm: Path                       # checkpoint folder (peers need one; ours exports it)
     ssms: list[Path]
     prompts: list[list[int]]
-    trees: dict[str, list[int]]
+    trees: dict[str, list[int] | None]   # name -> widths per depth, or None for the dynamic tree
     max_new_tokens: int = 128
     threads: int | None = None
     peers: bool = True              # transformers and onnxruntime-genai
     sampling: bool = False          # temperature 1: MSS vs naive sampling, ours only
     seed: int = 0
-    min_confidence: float = 0.0     # our drafters stop growing a branch where the SSM is less sure
+    min_confidence: float | None = None   # our drafters stop growing a branch where the SSM is less sure
+                                          # (None: each tree's default, see speculate.default_min_confidence)
     progress: bool = True
 
 
@@ -83,19 +52,21 @@ def _row(contender: str, tool: str, tree: str, ssms: str, stats: "Stats | None" 
     return row
 
 
-def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int], name: str,
+def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, name: str,
           params, rule: str = "mss") -> tuple["Stats", list[list[int]]]:
     from tqdm import tqdm
 
     from .generate import Stats, generate_ids
+    from .speculate import default_min_confidence
 
+    min_confidence = default_min_confidence(tree) if cfg.min_confidence is None else cfg.min_confidence
     stats, outputs = Stats(), []
     for i, prompt in enumerate(tqdm(cfg.prompts, desc=name, disable=not cfg.progress, leave=False)):
         if not params.greedy:
             params = replace(params, seed=cfg.seed + i)
         outputs.append([t for step in generate_ids(llm, prompt, ssms=ssms, tree=tree, params=params,
                                                    max_new_tokens=cfg.max_new_tokens, eos_ids=llm.config.eos_token_ids,
-                                                   stats=stats, rule=rule, min_confidence=cfg.min_confidence)
+                                                   stats=stats, rule=rule, min_confidence=min_confidence)
                             for t in step])
     return stats, outputs
 
@@ -136,7 +107,9 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     if cfg.peers and not cfg.sampling:
         kw = dict(prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
-        depth = max(len(t) for t in cfg.trees.values())
+        from .speculate import DYNAMIC_DEPTH
+
+        depth = max(DYNAMIC_DEPTH if t is None else len(t) for t in cfg.trees.values())
         contenders = [
             ("transformers greedy", "transformers", lambda: peers.transformers_greedy(cfg.llm, **kw)),
             ("transformers assisted", "transformers", lambda: peers.transformers_assisted(cfg.llm, cfg.ssms[0], **kw)),
@@ -202,7 +175,8 @@ def report_markdown(report: dict) -> str:
             else [r["contender"], f"unavailable: {r['unavailable']}", "", "", "", "", "", ""]
             for r in report["rows"]]
     text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
-            f"our drafters' min confidence {report['min_confidence']}\n\n"
+            f"our drafters' min confidence "
+            f"{report['min_confidence'] if report['min_confidence'] is not None else 'per tree (fixed 0.4, dynamic none)'}\n\n"
             + markdown_table(["contender", "tokens/s", "vs ours incremental", "tokens/step", "SSM s", "LLM s",
                               "own code s", "identical to ours incremental"], rows))
     if report["targets"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .client.cli import add_client_parser
 from .engines.loader import ENGINES
-from .speculate import DEFAULT_MIN_CONFIDENCE
+from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
 from .errors import SpecInferError
 
 
@@ -21,13 +21,18 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _add_min_confidence(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
+    p.add_argument("--min-confidence", type=float, default=None,
                    help="an SSM stops growing a branch where its top token's probability is below this "
-                        f"(0: full tree; default {DEFAULT_MIN_CONFIDENCE}); the output is exact either way")
+                        f"(0: full tree; default {DEFAULT_MIN_CONFIDENCE} for a fixed tree, 0 for the dynamic "
+                        "one); the output is exact either way")
 
 
-def _check_min_confidence(value: float) -> None:
-    if not 0.0 <= value < 1.0:
+TREE_HELP = ("'dynamic' (sized each step to this machine's verification cost and the SSMs' confidence) "
+             "or children per depth, SpecInfer's expansion (e.g. 1,1,3,1,1,1,1,1)")
+
+
+def _check_min_confidence(value: float | None) -> None:
+    if value is not None and not 0.0 <= value < 1.0:
         raise SpecInferError(f"--min-confidence must be in [0, 1), got {value}")
 
 
@@ -69,9 +74,11 @@ def cmd_generate(a) -> None:
     _check_min_confidence(a.min_confidence)
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    tree = parse_tree(a.tree)
+    min_confidence = default_min_confidence(tree) if a.min_confidence is None else a.min_confidence
     llm, ssms = _models(a, all_ssms=False)
-    pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=a.tree, budget=a.budget, engine=a.engine,
-                    max_context=a.max_context, threads=a.threads, min_confidence=a.min_confidence)
+    pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=tree, budget=a.budget, engine=a.engine,
+                    max_context=a.max_context, threads=a.threads, min_confidence=min_confidence)
     stats = Stats()
     for piece in pipe.stream(a.prompt, a.max_tokens, params, stats):
         sys.stdout.write(piece)
@@ -82,7 +89,8 @@ def cmd_generate(a) -> None:
 
 
 def cmd_steptime(a) -> None:
-    from .benchmark import markdown_table, step_times
+    from .benchmark import markdown_table
+    from .tree_sizing import step_times
     from .engines.loader import load_runtime
 
     rt = load_runtime(a.model, a.engine, threads=a.threads)
@@ -135,7 +143,6 @@ def _models(a, all_ssms: bool = True) -> tuple[Path, list[Path]]:
 
 def cmd_bench(a) -> None:
     from .benchmark import BenchConfig, report_markdown, report_plot, run_bench
-    from .speculate import parse_widths
     from .text import load_tokenizer
 
     llm, ssms = _models(a)
@@ -146,7 +153,7 @@ def cmd_bench(a) -> None:
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     _check_min_confidence(a.min_confidence)
-    trees = {t: parse_widths(t) for t in (a.tree or ["1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1", "2,2,1,1,1,1,1,1"])}
+    trees = {t: parse_tree(t) for t in (a.tree or [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"])}
     tokenizer = load_tokenizer(llm)
     prompts = [tokenizer.encode(p).ids for p in load_prompts(a.prompts, a.num_prompts)]
     report = run_bench(BenchConfig(llm, ssms, prompts, trees, a.max_tokens, a.threads, peers=not a.no_peers,
@@ -186,9 +193,12 @@ def cmd_boost_tune(a) -> None:
 
     if not (Path(a.llm) / "tokenizer.json").is_file():
         raise SpecInferError(f"{a.llm} is not a checkpoint folder with a tokenizer.json")
-    cfg = _given(BoostConfig(), num_ssms=a.num_ssms, steps=a.steps, prompts=a.prompts, seed=a.seed)
-    if cfg.num_ssms < 1 or cfg.steps < 2 or cfg.prompts < 1:
-        raise SpecInferError("--num-ssms and --prompts must be >= 1, --steps >= 2")
+    cfg = _given(BoostConfig(), num_ssms=a.num_ssms, steps=a.steps, prompts=a.prompts,
+                 sampled_prompts=a.sampled_prompts, seed=a.seed)
+    if cfg.num_ssms < 1 or cfg.steps < 2 or cfg.prompts < 0 or cfg.sampled_prompts < 0 or \
+            cfg.prompts + cfg.sampled_prompts < 1:
+        raise SpecInferError("--num-ssms must be >= 1, --steps >= 2, --prompts and --sampled-prompts >= 0 "
+                             "and not both 0")
     boost_tune(a.llm, stdlib_corpus(a.stdlib), a.output, cfg)
     print(f"wrote {a.output}")
 
@@ -266,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm", action="append", default=[], help="SSM folder (repeat for several)")
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding, no SSMs")
     _add_min_confidence(p)
-    p.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="children per depth (SpecInfer expansion)")
+    p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=int, default=64, help="tree nodes at most, root included")
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
     p.add_argument("--max-context", type=int, default=None)
@@ -293,13 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("boost-tune", help="collective boost-tuning of SSMs on an LLM's greedy continuations")
+    p = sub.add_parser("boost-tune", help="collective boost-tuning of SSMs on an LLM's continuations")
     p.add_argument("--llm", required=True, help="the LLM checkpoint folder (with tokenizer.json)")
     p.add_argument("-o", "--output", required=True, help="folder for ssm1, ssm2, ... and boost_tuning.json")
     p.add_argument("--stdlib", default=None, help="stdlib folder (default: this interpreter's)")
     p.add_argument("--num-ssms", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="training steps of SSM 1 (later ones: half)")
-    p.add_argument("--prompts", type=int, default=None, help="training prompts (LLM continuations)")
+    p.add_argument("--prompts", type=int, default=None, help="training prompts with the LLM's greedy continuation")
+    p.add_argument("--sampled-prompts", type=int, default=None,
+                   help="training prompts with the LLM's sampled continuation (temperature 1)")
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_boost_tune)
 
@@ -307,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm", required=True)
     p.add_argument("--ssm", action="append", default=[])
     p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`)")
-    p.add_argument("--tree", default="1,1,3,1,1,1,1,1")
+    p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads per model (0: all cores)")
     p.add_argument("-o", "--output", required=True)
@@ -329,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm", default=None, help="LLM checkpoint folder (default: the embedded LLM and its SSMs)")
     p.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several)")
     p.add_argument("--tree", action="append", default=None,
-                   help="tree shape, children per depth (repeat); default: chain of 8, SpecInfer's 1,1,3,1,1,1,1,1, 2,2,1,1,1,1,1,1")
+                   help="a tree to run (repeat): 'dynamic' or children per depth; default: dynamic, a chain of 8 "
+                        "and SpecInfer's 1,1,3,1,1,1,1,1")
     p.add_argument("--prompts", default=None, help="a .json list, a text file (blank-line separated) or a folder "
                                                   "of .py files (default: the embedded held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")

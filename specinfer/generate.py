@@ -24,11 +24,12 @@ import numpy as np
 from .engines.runtime import Runtime
 from .errors import SpecInferError
 from .sampling import SamplingParams
-from .speculate import SSMDrafter, check_vocab
+from .speculate import DYNAMIC_DEPTH, SSMDrafter, check_vocab
 from .tree import TokenTree, merge
+from .tree_sizing import TreeSizer, step_cost
 from .verify import SAMPLING_RULES, verify
 
-DEFAULT_TREE = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's expansion config
+SPECINFER_TREE = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's expansion config
 DEFAULT_BUDGET = 64                      # tree nodes, root included
 
 
@@ -93,20 +94,23 @@ class Speculator(Protocol):
 class LocalSpeculator:
     """Speculation with the LLM and SSM Runtimes in this process."""
 
-    def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), tree: Sequence[int] = DEFAULT_TREE,
+    def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), tree: Sequence[int] | None = None,
                  params: SamplingParams = SamplingParams(), stats: Stats | None = None, seq_id=None,
                  rule: str = "mss", min_confidence: float = 0.0):
+        """``tree``: widths per depth (SpecInfer's expansion), or None for the dynamic tree."""
         check_vocab(llm, ssms)
         if rule not in SAMPLING_RULES:
             raise SpecInferError(f"unknown sampling rule {rule!r}: expected one of {', '.join(SAMPLING_RULES)}")
-        self.llm, self.tree, self.params, self.rule = llm, list(tree), params, rule
+        self.sizer = TreeSizer(step_cost(llm)) if tree is None and ssms else None
+        self.tree = [1] * DYNAMIC_DEPTH if tree is None else list(tree)
+        self.llm, self.params, self.rule = llm, params, rule
         self.max_context = llm.max_context
         self.stats = stats if stats is not None else Stats()
         self.rng = np.random.default_rng(params.seed)
         self.seq = llm.start(seq_id)
         self.drafters: list[SSMDrafter] = []
         try:
-            self.drafters = [SSMDrafter(rt, i, seq_id=seq_id, min_confidence=min_confidence)
+            self.drafters = [SSMDrafter(rt, i, seq_id=seq_id, min_confidence=min_confidence, sizer=self.sizer)
                              for i, rt in enumerate(ssms)]
         except BaseException:
             self.release()
@@ -136,8 +140,11 @@ class LocalSpeculator:
         logits = self.llm.score(self.seq, token_tree.tokens, token_tree.parents)
         verdict = verify(token_tree, logits, self.params, self.rng, self.rule)
         self.llm.commit(self.seq, verdict.path)
+        t2 = time.perf_counter()
+        if self.sizer is not None:
+            self.sizer.observe(t1 - t0)   # what drafting costs beside the LLM call, as it runs
         self.stats.ssm_seconds += t1 - t0
-        self.stats.llm_seconds += time.perf_counter() - t1
+        self.stats.llm_seconds += t2 - t1
         self.stats.draft_tokens += len(token_tree) - 1
         self.stats.accepted_draft_tokens += len(verdict.path) - 1
         self.last_path = [token_tree.tokens[i] for i in verdict.path]
@@ -203,7 +210,7 @@ def generate_ids(
     prompt: Sequence[int],
     *,
     ssms: Sequence[Runtime] = (),
-    tree: Sequence[int] = DEFAULT_TREE,
+    tree: Sequence[int] | None = None,
     params: SamplingParams = SamplingParams(),
     max_new_tokens: int = 128,
     eos_ids: Sequence[int] = (),
@@ -213,7 +220,8 @@ def generate_ids(
     min_confidence: float = 0.0,
 ) -> Iterator[list[int]]:
     """Speculative generation in this process: yield the new token ids of each step until EOS
-    (included), ``max_new_tokens`` or the context capacity. Greedy output is token for token the
+    (included), ``max_new_tokens`` or the context capacity. ``tree``: widths per depth, or None
+    for the dynamic tree (sized each step to this machine and the SSMs' confidence). Greedy output is token for token the
     LLM's own greedy decoding; sampled output is distributed as the LLM's own sampling (multi-step
     speculative sampling; ``rule="naive"`` samples from the LLM and follows the tree instead)."""
     stats = stats if stats is not None else Stats()

@@ -11,21 +11,21 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .engines.loader import load_runtime
-from .generate import DEFAULT_BUDGET, DEFAULT_TREE, Stats, generate_ids
+from .generate import DEFAULT_BUDGET, Stats, generate_ids
 from .sampling import SamplingParams
-from .speculate import parse_widths
+from .speculate import DYNAMIC, parse_tree
 from .text import TextStream, load_tokenizer
 
 
 class Pipeline:
     """Speculative generation from model folders (exports or checkpoints), on ONNX Runtime by default."""
 
-    def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] = DEFAULT_TREE,
+    def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] | None = DYNAMIC,
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
                  threads: int | None = None, min_confidence: float = 0.0):
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
-        self.tree = parse_widths(tree) if isinstance(tree, str) else list(tree)
+        self.tree = parse_tree(tree)
         self.budget = budget
         self.min_confidence = min_confidence
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))

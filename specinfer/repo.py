@@ -12,11 +12,12 @@ import shutil
 from pathlib import Path
 from string import Template
 
-from .engines.loader import onnx_folder
+from .engines.loader import load_runtime, onnx_folder
 from .engines.onnxruntime import read_manifest
 from .errors import SpecInferError
 from .generate import DEFAULT_BUDGET
-from .speculate import parse_widths
+from .speculate import DYNAMIC, parse_tree
+from .tree_sizing import StepCost
 
 TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
                ("proposal_node", "TYPE_INT32", "-1"), ("proposal_ssm", "TYPE_INT32", "-1"),
@@ -49,11 +50,26 @@ def _model(src: str, dst_name: str, repo: Path, **values) -> None:
         shutil.copy(tpl / "1" / "model.py", repo / dst_name / "1" / "model.py")
 
 
-def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = "1,1,3,1,1,1,1,1",
+def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) -> StepCost | None:
+    """The LLM's verification cost table on this machine with the engine the repository serves it
+    with (the dynamic tree's cost model). None when that engine cannot run here and no one needs it."""
+    try:
+        runtime = load_runtime(llm_dir, engine, threads=threads or None)
+    except (SpecInferError, ImportError, OSError) as e:   # e.g. no TensorRT on this machine
+        if required:
+            raise SpecInferError(f"the dynamic tree needs the LLM's verification cost, measured with its {engine} "
+                                 f"engine, which cannot run here ({e}); write the repository where it runs, or "
+                                 f"give a fixed --tree") from None
+        return None
+    return StepCost.measure(runtime)
+
+
+def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC,
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0) -> Path:
-    """Write the repository to ``out`` and return it. ``engines``: a folder of TensorRT engines
+    """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
+    or widths; a request may ask for another). ``engines``: a folder of TensorRT engines
     (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime."""
-    parse_widths(tree)
+    dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
         raise SpecInferError(f"{out} exists and is not a specinfer model repository")
@@ -68,15 +84,22 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if engines is not None:
         engine, engines = "tensorrt", Path(engines).resolve()
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
+    cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ssm_dirs else None
     if out.exists():
         shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cost_file = ""
+    if cost is not None:
+        cost_file = out / "step_cost.json"
+        cost_file.write_text(json.dumps(cost.to_dict(), indent=2))
     tokenizer_dir = onnx_folder(llm).resolve()
     common = dict(engine=engine, threads=threads)
     _model("preprocessing", "preprocessing", out, tokenizer_dir=tokenizer_dir)
     _model("postprocessing", "postprocessing", out, tokenizer_dir=tokenizer_dir)
     _model("llm", "llm", out, model_dir=llm_dir, **common)
     for i, d in enumerate(ssm_dirs):
-        _model("ssm", f"ssm_{i}", out, name=f"ssm_{i}", model_dir=d, index=i, tree=tree, **common)
+        _model("ssm", f"ssm_{i}", out, name=f"ssm_{i}", model_dir=d, index=i, tree=tree, step_cost=cost_file,
+               **common)
     n = len(ssm_dirs)
     ssm_inputs = "".join(f',\n  {{ name: "{f}_{i}" data_type: {t} dims: [ {d} ] }}' for i in range(n) for f, t, d in TREE_FIELDS)
     _model("tree_builder", "tree_builder", out, ssm_inputs=ssm_inputs, num_ssms=n, vocab_size=vocab)

@@ -14,6 +14,7 @@ one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator
 
@@ -23,9 +24,10 @@ from .engines.runtime import Runtime
 from .errors import SpecInferError
 from .generate import DEFAULT_BUDGET, Stats, check_request, decode
 from .sampling import SamplingParams
-from .speculate import SSMDrafter, parse_widths
+from .speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
 from .text import TextStream, decode_piece
 from .tree import Proposal, TokenTree, merge
+from .tree_sizing import StepCost, TreeSizer
 from .verify import verify
 
 Tensors = dict[str, np.ndarray]
@@ -81,7 +83,7 @@ class GenerationRequest:
     end_id: int | None = None
     stop_words: list[str] = field(default_factory=list)
     exclude_input: bool = False
-    tree: list[int] | None = None
+    tree: str | None = None       # a tree spec ("dynamic" or widths), None: the server's default
 
 
 def read_request(inputs: Tensors, max_context: int) -> GenerationRequest:
@@ -107,10 +109,17 @@ def read_request(inputs: Tensors, max_context: int) -> GenerationRequest:
             raise SpecInferError(f"at most {MAX_STOP_WORDS} stop words, got {len(stops)}")
     tree = None
     if inputs.get("tree") is not None:
-        tree = parse_widths(_text(np.asarray(inputs["tree"], dtype=object).reshape(-1)[0], "tree"))
+        tree = _tree_spec(inputs)
     return GenerationRequest(prompt, max_tokens, _scalar(inputs, "stream", "b", False), params,
                              _scalar(inputs, "end_id", "i", None), stops,
                              _scalar(inputs, "exclude_input_in_output", "b", False), tree)
+
+
+def _tree_spec(inputs: Tensors) -> str:
+    """The ``tree`` input, checked: ``dynamic`` or widths per depth."""
+    spec = _text(np.asarray(inputs["tree"], dtype=object).reshape(-1)[0], "tree")
+    widths = parse_tree(spec)
+    return DYNAMIC if widths is None else ",".join(map(str, widths))
 
 
 def sampling_from(inputs: Tensors) -> SamplingParams:
@@ -221,10 +230,15 @@ class _Sequences:
 
 
 class DraftModel:
-    """``ssm_<i>``: one SSM's sequences; a step commits last step's verdict, then drafts a tree."""
+    """``ssm_<i>``: one SSM's sequences; a step commits last step's verdict, then drafts a tree.
 
-    def __init__(self, runtime: Runtime, index: int, tree: list[int]):
+    ``tree`` is the default tree spec; the dynamic tree needs ``step_cost``, the LLM's verification
+    cost table (the repository measures it when it is written)."""
+
+    def __init__(self, runtime: Runtime, index: int, tree: str = DYNAMIC, step_cost: StepCost | None = None):
+        parse_tree(tree)
         self.runtime, self.index, self.default_tree = runtime, index, tree
+        self.sizer = TreeSizer(step_cost) if step_cost is not None else None
         self.sequences = _Sequences()
 
     def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
@@ -239,12 +253,22 @@ class DraftModel:
         self.sequences.add(seq_id, (drafter, rng))
 
     def step(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
-             tree: list[int] | None = None) -> Tensors:
+             tree: str | None = None) -> Tensors:
+        """``tree``: the request's tree spec, None for the model's default."""
+        widths = parse_tree(tree or self.default_tree)
+        if widths is None and self.sizer is None:
+            raise SpecInferError("the dynamic tree needs the LLM's verification cost table, which this repository "
+                                 "lacks (`specinfer repo` measures it with the LLM's engine): ask for a fixed tree")
         drafter, rng = self.sequences.get(seq_id)
         if accepted:
             drafter.commit(accepted)
+        drafter.sizer = self.sizer if widths is None else None
         # Without room for a tree, no draft: the next commit keeps the root as catch-up.
-        draft = drafter.draft(root, tree or self.default_tree, params, rng, budget) if budget > 1 else TokenTree(root)
+        start = time.perf_counter()
+        draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget) if budget > 1 \
+            else TokenTree(root)
+        if drafter.sizer is not None:
+            drafter.sizer.observe(time.perf_counter() - start)
         return tree_to_tensors(draft, self.runtime.vocab_size)
 
     def handle(self, t: Tensors) -> Tensors:
@@ -255,7 +279,7 @@ class DraftModel:
         elif op == "release":
             self.release(seq)
         else:
-            tree = parse_widths(_text(np.asarray(t["tree"], dtype=object).reshape(-1)[0], "tree")) if "tree" in t else None
+            tree = _tree_spec(t) if t.get("tree") is not None else None
             return self.step(seq, _ids(t, "tokens"), _scalar(t, "root", "i", None), sampling_from(t),
                              _scalar(t, "budget", "i", DEFAULT_BUDGET), tree)
         return tree_to_tensors(TokenTree(0), self.runtime.vocab_size)
@@ -324,7 +348,7 @@ class RemoteSpeculator:
     (Triton BLS in the server; plain method calls in tests)."""
 
     def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
-                 max_context: int, params: SamplingParams, tree: list[int] | None, stats: Stats):
+                 max_context: int, params: SamplingParams, tree: str | None, stats: Stats):
         self.call, self.ssm_names, self.seq_id = call, ssm_names, seq_id
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
@@ -350,7 +374,7 @@ class RemoteSpeculator:
                                          "root": np.array([root], dtype=np.int64),
                                          "budget": np.array([budget], dtype=np.int32)}
         if self.tree:
-            inputs["tree"] = np.array([",".join(map(str, self.tree)).encode()], dtype=object)
+            inputs["tree"] = np.array([self.tree.encode()], dtype=object)
         out = self.call("spec_step", inputs)
         path = [int(t) for t in np.asarray(out["accepted_tokens"]).reshape(-1)]
         self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])

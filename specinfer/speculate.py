@@ -16,6 +16,7 @@ from .engines.runtime import Runtime
 from .errors import SpecInferError
 from .sampling import SamplingParams, probabilities, sample
 from .tree import Proposal, TokenTree
+from .tree_sizing import TreeSizer
 
 
 def parse_widths(spec: str) -> list[int]:
@@ -23,14 +24,34 @@ def parse_widths(spec: str) -> list[int]:
     try:
         widths = [int(w) for w in str(spec).split(",")]
     except ValueError:
-        raise SpecInferError(f"tree widths must be comma-separated integers like '1,1,3,1', got {spec!r}") from None
+        raise SpecInferError(f"a tree is 'dynamic' or comma-separated widths like '1,1,3,1', got {spec!r}") from None
     if any(w < 1 for w in widths):
         raise SpecInferError(f"tree widths must all be >= 1, got {spec!r}")
     return widths
 
 
-# Where the embedded SSMs measured best on their held-out prompts (see the README's benchmark).
+DYNAMIC = "dynamic"   # the tree spec of the dynamic tree (tree_sizing.py)
+DYNAMIC_DEPTH = 8     # tokens an SSM drafts for it (the exported drafter's depth: one call)
+
+
+def parse_tree(spec: "str | Sequence[int] | None") -> list[int] | None:
+    """A tree spec: ``"dynamic"`` (or None) for the dynamic tree, returned as None; else widths
+    per depth as :func:`parse_widths` reads them."""
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == DYNAMIC):
+        return None
+    if isinstance(spec, str):
+        return parse_widths(spec)
+    return parse_widths(",".join(map(str, spec)))
+
+
+# Where the embedded SSMs measured best on their held-out prompts with fixed trees (see the README's
+# benchmark). The dynamic tree sizes itself and needs no threshold.
 DEFAULT_MIN_CONFIDENCE = 0.4
+
+
+def default_min_confidence(tree: Sequence[int] | None) -> float:
+    """The min-confidence a tree gets unless one is given: none for the dynamic tree (None)."""
+    return 0.0 if tree is None else DEFAULT_MIN_CONFIDENCE
 
 
 def check_vocab(llm: Runtime, ssms: Sequence[Runtime]) -> None:
@@ -72,12 +93,15 @@ class SSMDrafter:
     """One SSM's sequence in its Runtime: drafts a tree per step and commits what was accepted."""
 
     def __init__(self, runtime: Runtime, index: int = 0, capacity: int | None = None,
-                 seq_id: Hashable | None = None, min_confidence: float = 0.0):
+                 seq_id: Hashable | None = None, min_confidence: float = 0.0, sizer: TreeSizer | None = None):
         self.runtime, self.index = runtime, index
         # A node whose top token has less probability than this under the SSM gets no children:
         # the tree stops growing where the SSM is unsure, which saves SSM calls and verified
         # tokens. Any tree keeps the output exact: its shape depends on the SSM alone.
         self.min_confidence = min_confidence
+        # With a sizer the draft is the dynamic tree: a chain of the SSM's top tokens, cut where
+        # more tokens would no longer pay for their verification (tree_sizing.py).
+        self.sizer = sizer
         self.seq = runtime.start(seq_id, capacity)
         self.catch_up: list[int] = []            # accepted tokens this SSM has not scored yet
         self._tree: TokenTree | None = None      # the draft awaiting commit
@@ -110,7 +134,7 @@ class SSMDrafter:
         free = self.runtime.capacity(self.seq) - self.runtime.length(self.seq)
         if len(chain) > free:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
-        if params.greedy and all(w == 1 for w in widths):
+        if self.sizer is not None or (params.greedy and all(w == 1 for w in widths)):
             return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1))
         logits = self.runtime.score(self.seq, chain)
         pending = len(chain)
@@ -143,19 +167,22 @@ class SSMDrafter:
         return tree
 
     def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int) -> TokenTree:
-        """A greedy chain in one Runtime call (:meth:`Runtime.draft_chain`), cut where the SSM's
-        confidence falls below ``min_confidence``. Draft token i sits at pending index
-        ``len(chain) + i``; the last one is not scored (an engine may score it, but we do not count
-        on it: if accepted, it is next step's catch-up)."""
+        """A chain of the SSM's top tokens in one Runtime call (:meth:`Runtime.draft_chain`), cut
+        where the SSM's confidence falls below ``min_confidence`` and, with a sizer, where the
+        next token would cost more than it brings. The tokens are deterministic candidates (exact
+        under sampling too). Draft token i sits at pending index ``len(chain) + i``; the last one
+        is not scored (an engine may score it, but we do not count on it: if accepted, it is next
+        step's catch-up)."""
         self._slot[0] = len(chain) - 1
         if depth < 1:
             self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it
             return tree
         drafted, probability = self.runtime.draft_chain(self.seq, chain, depth)
+        keep = next((i for i, p in enumerate(probability) if p < self.min_confidence), len(drafted))
+        if self.sizer is not None:
+            keep = min(keep, self.sizer.best_count(np.cumprod(probability)))
         node = 0
-        for i, (token, p) in enumerate(zip(drafted, probability)):
-            if p < self.min_confidence:
-                break
+        for i, token in enumerate(drafted[:keep]):
             node = tree.add(node, token, Proposal(self.index, 0, None))
             if i < depth - 1:
                 self._slot[node] = len(chain) + i

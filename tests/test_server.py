@@ -142,7 +142,7 @@ def test_eight_concurrent_streams_are_all_exact(triton_server, expected):
     ({"text_input": "hi", "top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"text_input": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"text_input": ["a", "b"]}, "text_input"),
-    ({"text_input": "hi", "tree": "1,x"}, "tree widths"),
+    ({"text_input": "hi", "tree": "1,x"}, "a tree is 'dynamic' or comma-separated widths"),
 ])
 def test_bad_requests_get_errors_and_the_server_keeps_serving(triton_server, expected, body, message):
     status, text = post(triton_server, "/v2/models/ensemble/generate", body)

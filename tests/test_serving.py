@@ -13,6 +13,7 @@ from specinfer.serving import (DraftModel, Orchestrator, RemoteSpeculator, Verif
                                preprocess, read_request, tensors_to_tree, tree_to_tensors)
 from specinfer.text import TextStream, decode_piece, load_tokenizer
 from specinfer.tree import Proposal, TokenTree
+from specinfer.tree_sizing import step_cost
 
 TREE = [1, 1, 3, 1, 1, 1]
 
@@ -33,6 +34,7 @@ def ids(*values):
     ({"input_ids": ids(1, 2), "top_p": np.array([0], np.float32)}, "top_p must be in (0, 1]"),
     ({"input_ids": ids(1, 2), "top_p": np.array([1.5], np.float32)}, "top_p must be in (0, 1]"),
     ({"input_ids": ids(1, 2), "tree": np.array([b"1,0"], object)}, "tree widths must all be >= 1"),
+    ({"input_ids": ids(1, 2), "tree": np.array([b"dynamc"], object)}, "a tree is 'dynamic' or comma-separated"),
     ({"input_ids": ids(1, 2), "stop_words": np.array([b"\xff"], object)}, "'stop_words' is not valid UTF-8"),
 ])
 def test_bad_requests_name_the_problem(inputs, message):
@@ -88,7 +90,8 @@ def test_tree_tensors_round_trip():
 def models(served_pair):
     llm = OrtRuntime(served_pair["llm"])
     ssms = [OrtRuntime(d) for d in served_pair["ssms"]]
-    return llm, ssms, VerifyModel(llm), [DraftModel(rt, i, TREE) for i, rt in enumerate(ssms)]
+    cost = step_cost(llm)
+    return llm, ssms, VerifyModel(llm), [DraftModel(rt, i, ",".join(map(str, TREE)), cost) for i, rt in enumerate(ssms)]
 
 
 def local_call(verify_model, draft_models):
@@ -119,14 +122,16 @@ def request(tok, text, **extra):
             "max_tokens": np.array([40], np.int32)} | extra
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_orchestration_equals_in_process_greedy(models, stream):
+@pytest.mark.parametrize("stream,tree", [(False, None), (True, None), (False, "dynamic"), (True, "2,1")])
+def test_orchestration_equals_in_process_greedy(models, stream, tree):
     llm, ssms, verify_model, draft_models = models
     orch, tok = orchestrator(models)
+    extra = {} if tree is None else {"tree": np.array([tree.encode()], object)}
     for text in ["def f(x):", "import os\n", "class A:"]:
         want = [t for s in generate_ids(llm, tok.encode(text).ids, ssms=ssms, tree=TREE, max_new_tokens=40,
                                         eos_ids=llm.config.eos_token_ids) for t in s]
-        responses = list(orch.run(request(tok, text, stream=np.array([stream]), exclude_input_in_output=np.array([True]))))
+        responses = list(orch.run(request(tok, text, stream=np.array([stream]), exclude_input_in_output=np.array([True]),
+                                          **extra)))
         assert [final for _, final in responses] == [False] * (len(responses) - 1) + [True]
         pieces = [postprocess(tok, t)["text_output"][0].decode() for t, _ in responses]
         assert "".join(pieces) == tok.decode(want)
@@ -134,6 +139,15 @@ def test_orchestration_equals_in_process_greedy(models, stream):
         assert sum(steps) == len(want)
     assert len(verify_model.sequences) == 0 and all(len(m.sequences) == 0 for m in draft_models)
     assert llm.sequences() == [] and all(rt.sequences() == [] for rt in ssms)
+
+
+def test_dynamic_tree_needs_a_cost_table(served_pair):
+    model = DraftModel(OrtRuntime(served_pair["ssms"][0]), 0, "2,1")   # a repository without a cost table
+    model.start("s", [1, 2, 3], SamplingParams())
+    assert len(tensors_to_tree(model.step("s", [], 4, SamplingParams(), 16))) == 5   # its fixed tree works
+    with pytest.raises(SpecInferError, match="dynamic tree needs the LLM's verification cost table"):
+        model.step("s", [4], 5, SamplingParams(), 16, tree="dynamic")
+    model.release("s")
 
 
 def test_prompt_in_output_end_id_and_stop_words(models):

@@ -6,7 +6,7 @@ from conftest import make_checkpoint
 from specinfer.engines.torch_runtime import TorchRuntime
 from specinfer.errors import SpecInferError
 from specinfer.sampling import SamplingParams
-from specinfer.speculate import SSMDrafter, check_vocab, parse_widths, sample_without_replacement
+from specinfer.speculate import SSMDrafter, check_vocab, parse_tree, parse_widths, sample_without_replacement
 
 TOL = 1e-4
 PROMPT = [1, 40, 41, 42, 43, 44]
@@ -59,6 +59,13 @@ def children_per_depth(tree):
     for n in range(len(tree)):
         out.setdefault(tree.depths[n], []).append(len(tree.children(n)))
     return out
+
+
+def test_parse_tree():
+    assert parse_tree("dynamic") is None and parse_tree(" Dynamic ") is None and parse_tree(None) is None
+    assert parse_tree("2,1") == [2, 1] and parse_tree([1, 3]) == [1, 3]
+    with pytest.raises(SpecInferError, match="'dynamic' or comma-separated"):
+        parse_tree("dynamo")
 
 
 def test_parse_widths():

@@ -15,10 +15,10 @@ from specinfer.errors import SpecInferError
 from specinfer.export import export_model
 from specinfer.generate import Stats, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
-from specinfer.speculate import parse_widths
+from specinfer.speculate import parse_tree
 
 PROMPTS = [[1, 294, 72, 308], [1, 5], [1] + list(range(100, 130)), [1, 33, 33, 33, 200, 17], [1, 250, 3, 99], [1, 7, 8]]
-TREES = {"chain": "1,1,1,1,1,1", "wide": "4,2", "specinfer": "1,1,3,1,1,1,1,1"}
+TREES = {"chain": "1,1,1,1,1,1", "wide": "4,2", "specinfer": "1,1,3,1,1,1,1,1", "dynamic": "dynamic"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_greedy_speculative_equals_incremental(pair, tree, ssms):
     stats = Stats()
     for prompt in PROMPTS:
         want = tokens(llm, prompt)
-        assert tokens(llm, prompt, ssms=drafts, tree=parse_widths(TREES[tree]), stats=stats) == want
+        assert tokens(llm, prompt, ssms=drafts, tree=parse_tree(TREES[tree]), stats=stats) == want
     assert all(rt.sequences() == [] for rt in [llm] + drafts)  # every model released its state
     assert sum(stats.tokens_per_step) == stats.new_tokens
     if "close" in ssms and tree != "wide":
@@ -116,12 +116,12 @@ def chi_square_p(counts, expected_probs):
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-@pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs"])
+@pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs", "dynamic tree, two SSMs"])
 def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
     llm, a, b = tiny_vocab
     ssms = [a] if setup == "one SSM" else [a, b]
     params = SamplingParams(temperature=1.0)
-    counts = first_two_counts(llm, ssms, [3, 2], params)
+    counts = first_two_counts(llm, ssms, None if setup.startswith("dynamic") else [3, 2], params)
     p = chi_square_p(counts, exact_first_two(llm, params))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
 

@@ -82,11 +82,11 @@ def test_fit_learns_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_llm_greedy_data_is_the_llms_greedy_decoding():
-    from specinfer.training.boost_tune import llm_greedy_data
+def test_llm_continuations_are_the_llms_greedy_decoding():
+    from specinfer.training.boost_tune import llm_continuations
     model = _tiny_model().eval()
     stream = np.arange(1, 250, dtype=np.int32)
-    tokens, labels = llm_greedy_data(model, stream, 3, prompt_len=6, new_tokens=5, rng=np.random.default_rng(0))
+    tokens, labels = llm_continuations(model, stream, 3, prompt_len=6, new_tokens=5, rng=np.random.default_rng(0))
     assert tokens.shape == labels.shape == (3, 11)
     for row, lab in zip(tokens, labels):
         x = torch.from_numpy(row[:6].astype(np.int64))[None]
@@ -95,6 +95,22 @@ def test_llm_greedy_data_is_the_llms_greedy_decoding():
         assert (lab[5:-1] == row[6:]).all()  # in the continuation, the label is the next token
         with torch.no_grad():
             assert lab.tolist() == model(torch.from_numpy(row.astype(np.int64))[None]).logits.argmax(-1)[0].tolist()
+
+
+def test_sampled_continuations_keep_greedy_labels():
+    """Sampled rows: the text is the LLM's sample (not its greedy decoding), the labels are still
+    its greedy next tokens on that text, and the same seed gives the same samples."""
+    from specinfer.training.boost_tune import llm_continuations
+    model = _tiny_model().eval()
+    stream = np.arange(1, 250, dtype=np.int32)
+    args = (model, stream, 8, 6, 12)
+    tokens, labels = llm_continuations(*args, rng=np.random.default_rng(1), temperature=1.0)
+    again, _ = llm_continuations(*args, rng=np.random.default_rng(1), temperature=1.0)
+    greedy, _ = llm_continuations(*args, rng=np.random.default_rng(1))
+    assert (tokens == again).all()
+    assert (tokens[:, :6] == greedy[:, :6]).all() and (tokens[:, 6:] != greedy[:, 6:]).any()
+    with torch.no_grad():
+        assert (labels == model(torch.from_numpy(tokens.astype(np.int64))).logits.argmax(-1).numpy()).all()
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.01])
@@ -108,15 +124,15 @@ def test_boost_tuning_drops_the_prompts_ssm1_agrees_on(tmp_path, threshold):
     tok = train_tokenizer(corpus.texts(corpus.train), 300, tmp_path / "tok")
     save_checkpoint(_tiny_model(), tmp_path / "llm", tmp_path / "tok")
     cfg = BoostConfig(num_ssms=3, hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, prompts=24,
-                      test_prompts=4, prompt_len=8, new_tokens=8, steps=10, batch_size=4,
+                      sampled_prompts=8, test_prompts=4, prompt_len=8, new_tokens=8, steps=10, batch_size=4,
                       agree_threshold=threshold, tree_prompts=0)
     report = boost_tune(tmp_path / "llm", corpus, tmp_path / "ssms", cfg)
     assert tok.get_vocab_size() == 300
     ssms = report["ssms"]
     if threshold == 0.0:  # SSM 1 "agrees" with every prompt: nothing left for SSM 2
-        assert len(ssms) == 1 and ssms[0]["dropped_prompts"] == 24
-    else:  # agrees on none: every SSM trains on all prompts
-        assert [s["train_prompts"] for s in ssms] == [24, 24, 24]
+        assert len(ssms) == 1 and ssms[0]["dropped_prompts"] == 32
+    else:  # agrees on none: every SSM trains on all prompts, greedy and sampled
+        assert [s["train_prompts"] for s in ssms] == [32, 32, 32]
     for s in ssms:
         assert 0 <= s["agreement_held_out"] <= report["held_out_any_ssm_agrees"] <= 1
         config = json.loads((tmp_path / "ssms" / f"ssm{s['ssm']}" / "config.json").read_text())

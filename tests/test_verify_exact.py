@@ -10,6 +10,7 @@ reading exactly that many uniforms. Then the enumerated law is verify_mss's own.
 (accepted path, then bonus) extended by LLM sampling to a fixed length must have the LLM's joint
 law, to 1e-9: the first token follows p_root, the first two p_root(x1) p_x1(x2), and so on. A tree
 drawn by a sampling SSM is enumerated too: every draw without replacement, with its probability.
+The dynamic tree is drafted by the real SSMDrafter and TreeSizer on these models.
 """
 import itertools
 from collections import defaultdict
@@ -19,8 +20,12 @@ import numpy as np
 import pytest
 
 from specinfer import verify as verify_module
+from specinfer.config import ModelConfig
+from specinfer.engines.runtime import Runtime
 from specinfer.sampling import SamplingParams, probabilities
+from specinfer.speculate import SSMDrafter
 from specinfer.tree import Proposal, TokenTree, merge
+from specinfer.tree_sizing import StepCost, TreeSizer
 from specinfer.verify import verify_mss
 
 V = 5
@@ -272,7 +277,65 @@ def two_ssms_merged(params):
     return merge([top_k_tree(0, [2, 1], params), top_k_tree(1, [2, 2], params)], budget=100)[0]
 
 
-DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged]
+class ContextRuntime(Runtime):
+    """A Runtime whose logits are these models' (a function of the tokens after the root on the
+    node's path): it lets the real SSMDrafter draft on them. Its "KV cache" holds token ids."""
+
+    def __init__(self, logits_of):
+        super().__init__(ModelConfig("llama", V, 8, 8, 1, 1, 1, 8, 1e-6, 1e4, None, 64, False, False, True,
+                                     None, (), None), max_context=64)
+        self.logits_of = logits_of
+
+    def _allocate(self, capacity):
+        return np.zeros(capacity, dtype=np.int64)
+
+    def _forward(self, seq, tokens, positions, visible):
+        start = seq.length + seq.pending
+        seq.kv[start:start + len(tokens)] = tokens
+        tree = seq.kv[seq.length:start + len(tokens)]
+        prefix = list(seq.kv[:seq.length])
+        out = []
+        for i in range(len(tokens)):
+            row = visible[len(visible) - len(tokens) + i]
+            path = prefix + [int(t) for t in tree[row]]   # ancestors in slot order, the node last
+            out.append(self.logits_of(tuple(path[1:])))
+        return np.stack(out).astype(np.float32)
+
+    def _move(self, seq, src, dst):
+        seq.kv[dst] = seq.kv[src]
+
+
+# Verification cost that makes the sized trees neither empty nor full on these models.
+SIZING_COST = StepCost((1, 4), (1.0, 1.6))
+
+
+def sized_tree(params, ssms=(0, 1)):
+    """The dynamic tree as SSMDrafter and TreeSizer really make it: each SSM's top-token chain (up
+    to depth 3) cut where another token would not pay for itself, merged."""
+    trees = []
+    for ssm in ssms:
+        drafter = SSMDrafter(ContextRuntime(lambda ctx, ssm=ssm: ssm_logits(ssm, ctx)), ssm,
+                             sizer=TreeSizer(SIZING_COST, overhead=0.5))
+        trees.append(drafter.draft(ROOT, [1, 1, 1], params, np.random.default_rng(0), budget=10))
+        drafter.release()
+    assert any(0 < max(t.depths) < 3 for t in trees)   # the cost model did cut a chain
+    return merge(trees, budget=100)[0]
+
+
+def test_sized_tree_is_the_chain_cut_by_the_cost_model():
+    """The drafter's dynamic tree is the SSM's greedy chain, cut at TreeSizer's best count."""
+    tree = sized_tree(PARAMS[0], ssms=(0,))
+    tokens, reach, ctx = [], [], ()
+    for _ in range(3):
+        q = probabilities(ssm_logits(0, ctx), SamplingParams(temperature=1.0))
+        tokens.append(int(np.argmax(q)))
+        reach.append((reach[-1] if reach else 1.0) * q.max())
+        ctx += (tokens[-1],)
+    keep = TreeSizer(SIZING_COST, overhead=0.5).best_count(reach)
+    assert tree.tokens[1:] == tokens[:keep] and tree.parents == list(range(-1, keep))
+
+
+DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged, sized_tree]
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=str)

@@ -40,7 +40,8 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--end-id", type=int, default=None, help="stop token id (default: the model's EOS)")
     g.add_argument("--stop-word", dest="stop_words", action="append", default=None, help="stop text (repeat)")
-    g.add_argument("--tree", default=None, help='speculation tree, children per depth, e.g. "1,1,3,1"')
+    g.add_argument("--tree", default=None,
+                   help="speculation tree: 'dynamic' or children per depth, e.g. '1,1,3,1' (default: the server's)")
     g = p.add_argument_group("generation")
     g.add_argument("--include-input", action="store_true", help="non-streamed text starts with the prompt")
     g.add_argument("--stats", action="store_true", help="print tokens, steps and draft acceptance to stderr")

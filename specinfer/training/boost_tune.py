@@ -1,7 +1,9 @@
 """`specinfer boost-tune`: SpecInfer's collective boost-tuning of several small SSMs for one LLM.
 
-The data is the LLM's own greedy behaviour: prompts cut from the training split, each followed by
-the LLM's greedy continuation, and at every position the LLM's greedy next token as the label. SSM 1
+The data is the LLM's own behaviour: prompts cut from the training split, each followed by the LLM's
+greedy continuation or by its own sample (temperature 1: text the corpus does not have, which is
+what an SSM meets on prompts from elsewhere), and at every position the LLM's greedy next token as
+the label (what greedy verification accepts). SSM 1
 learns all of it. A prompt on whose continuation SSM 1 already agrees with the LLM (a share of
 tokens >= ``agree_threshold``) is dropped; SSM 2, starting from SSM 1's weights, trains on the rest;
 and so on. Each SSM thus covers the cases the ones before it miss, which is what a merged token
@@ -29,11 +31,13 @@ class BoostConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 192
-    prompts: int = 4096
+    prompts: int = 4096          # followed by the LLM's greedy continuation
+    sampled_prompts: int = 4096  # followed by the LLM's sample at ``temperature``
+    temperature: float = 1.0
     test_prompts: int = 256
     prompt_len: int = 64
     new_tokens: int = 64
-    steps: int = 2000        # SSM 1; later SSMs fine-tune for half as many
+    steps: int = 3000        # SSM 1; later SSMs fine-tune for half as many
     batch_size: int = 32
     lr: float = 3e-3
     agree_threshold: float = 0.75
@@ -41,12 +45,14 @@ class BoostConfig:
     seed: int = 0
 
 
-def llm_greedy_data(model, stream: np.ndarray, count: int, prompt_len: int, new_tokens: int,
-                    rng: np.random.Generator, batch: int = 64, desc: str = "LLM continuations"):
-    """``count`` prompts cut at random from ``stream``, each with the LLM's greedy continuation.
+def llm_continuations(model, stream: np.ndarray, count: int, prompt_len: int, new_tokens: int,
+                      rng: np.random.Generator, temperature: float = 0.0, batch: int = 64,
+                      desc: str = "LLM continuations"):
+    """``count`` prompts cut at random from ``stream``, each with the LLM's continuation: greedy at
+    temperature 0, else sampled at ``temperature`` (with ``rng``'s seed).
 
     Returns (tokens, labels), both ``[count, prompt_len + new_tokens]``: labels[:, t] is the LLM's
-    greedy next token after tokens[:, :t + 1] (in the continuation, simply the next token).
+    greedy next token after tokens[:, :t + 1] (in a greedy continuation, simply the next token).
     """
     import torch
     from tqdm import tqdm
@@ -54,6 +60,7 @@ def llm_greedy_data(model, stream: np.ndarray, count: int, prompt_len: int, new_
     starts = rng.integers(0, len(stream) - prompt_len, count)
     prompts = np.stack([stream[s:s + prompt_len] for s in starts]).astype(np.int64)
     tokens, labels = [], []
+    generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
     model.eval()
     with torch.inference_mode():
         for i in tqdm(range(0, count, batch), desc=desc, unit="batch"):
@@ -62,7 +69,11 @@ def llm_greedy_data(model, stream: np.ndarray, count: int, prompt_len: int, new_
             steps, past = [out.logits.argmax(-1)], out.past_key_values
             seq = [x]
             for _ in range(new_tokens):
-                nxt = steps[-1][:, -1:]
+                if temperature > 0:
+                    probs = torch.softmax(out.logits[:, -1].float() / temperature, -1)
+                    nxt = torch.multinomial(probs, 1, generator=generator)
+                else:
+                    nxt = steps[-1][:, -1:]
                 seq.append(nxt)
                 out = model(nxt, past_key_values=past, use_cache=True)
                 steps.append(out.logits.argmax(-1))
@@ -129,10 +140,13 @@ def boost_tune(llm_dir: str | Path, corpus: Corpus, out_dir: str | Path, cfg: Bo
     rng = np.random.default_rng(cfg.seed)
     llm = transformers.AutoModelForCausalLM.from_pretrained(llm_dir, dtype=torch.float32)
     tok = Tokenizer.from_file(str(llm_dir / "tokenizer.json"))
-    train_tokens, train_labels = llm_greedy_data(llm, encode_files(tok, corpus.texts(corpus.train)), cfg.prompts,
-                                                 cfg.prompt_len, cfg.new_tokens, rng)
-    test_tokens, test_labels = llm_greedy_data(llm, encode_files(tok, corpus.texts(corpus.test)), cfg.test_prompts,
-                                               cfg.prompt_len, cfg.new_tokens, rng, desc="held-out continuations")
+    stream = encode_files(tok, corpus.texts(corpus.train))
+    parts = [llm_continuations(llm, stream, n, cfg.prompt_len, cfg.new_tokens, rng, temperature, desc=desc)
+             for n, temperature, desc in ((cfg.prompts, 0.0, "LLM greedy continuations"),
+                                          (cfg.sampled_prompts, cfg.temperature, "LLM samples")) if n]
+    train_tokens, train_labels = (np.concatenate(a) for a in zip(*parts))
+    test_tokens, test_labels = llm_continuations(llm, encode_files(tok, corpus.texts(corpus.test)), cfg.test_prompts,
+                                                 cfg.prompt_len, cfg.new_tokens, rng, desc="held-out continuations")
     del llm
 
     report: dict = {"config": asdict(cfg), "ssms": []}

@@ -23,7 +23,7 @@ from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
 from specinfer.errors import SpecInferError  # noqa: E402
 from specinfer.generate import LocalSpeculator  # noqa: E402
 from specinfer.serving import Orchestrator, RemoteSpeculator  # noqa: E402
-from specinfer.speculate import parse_widths  # noqa: E402
+from specinfer.speculate import parse_tree  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
 
 INPUTS = ["input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
@@ -34,13 +34,13 @@ class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
         self.decoupled = glue.is_decoupled(pb, args)
-        tree, ssm_dirs = parse_widths(p["tree"]), [d for d in p["ssm_dirs"].split(os.pathsep) if d]
+        tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
         if p["mode"] == "fused":
             threads = int(p["threads"]) or None
             llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
             max_context, eos_ids = llm.max_context, list(llm.config.eos_token_ids)
-            make = lambda req, stats: LocalSpeculator(llm, ssms, req.tree or tree, req.params, stats,
+            make = lambda req, stats: LocalSpeculator(llm, ssms, parse_tree(req.tree or tree), req.params, stats,
                                                       seq_id=uuid.uuid4().hex)
         else:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
@@ -48,7 +48,7 @@ class TritonPythonModel:
             names = [f"ssm_{i}" for i in range(len(ssm_dirs))]
             call = lambda model, inputs: glue.bls(pb, model, inputs)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
-                                                       req.tree, stats)
+                                                       req.tree or tree, stats)
         self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, make,
                                          int(p["budget"]))
 

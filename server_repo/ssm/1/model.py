@@ -1,6 +1,8 @@
 """ssm_<i>: one speculative model; per sequence: prefill, then each step commit + draft a tree."""
+import json
 import os
 import sys
+from pathlib import Path
 
 # Triton's Python stub embeds its own interpreter, which ignores PYTHONPATH: `specinfer serve`
 # passes the package folders of its environment in SPECINFER_PYTHONPATH.
@@ -11,7 +13,7 @@ import triton_python_backend_utils as pb  # noqa: E402
 from specinfer import triton_glue as glue  # noqa: E402
 from specinfer.engines.loader import load_runtime  # noqa: E402
 from specinfer.serving import DraftModel  # noqa: E402
-from specinfer.speculate import parse_widths  # noqa: E402
+from specinfer.tree_sizing import StepCost  # noqa: E402
 
 INPUTS = ["op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed"]
 
@@ -20,7 +22,8 @@ class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
         runtime = load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None)
-        self.model = DraftModel(runtime, int(p["index"]), parse_widths(p["tree"]))
+        cost = StepCost.from_dict(json.loads(Path(p["step_cost"]).read_text())) if p.get("step_cost") else None
+        self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost)
         self.metrics = glue.Metrics(pb, args["model_name"])
 
     def execute(self, requests):

@@ -1,0 +1,147 @@
+"""Trees sized to the machine and to the SSMs' confidence (the dynamic tree, after EAGLE-2 / Sequoia).
+
+A verified token is worth having only if it pays for itself: each draft node adds its chance of
+being accepted to the step's expected tokens, and its share of the LLM call to the step's cost. So
+every step keeps the draft nodes most likely to be accepted, as many as maximise
+
+    expected tokens per second = (1 + sum of kept nodes' reach) / (LLM cost(1 + kept) + overhead)
+
+where a node's *reach* is its SSM path probability (the product of the SSM's probabilities of the
+tokens from the root to it: the SSMs are trained to predict the LLM's greedy token, so this
+estimates the chance that verification accepts the node), the 1 is the LLM's bonus token, the LLM
+cost of T tree tokens comes from a table measured on this machine (:class:`StepCost`) and the
+overhead is what a step costs outside the LLM (SSMs, Python), measured as decoding runs.
+
+Exactness does not depend on any of this: the nodes are the SSM's deterministic picks (its top
+tokens), so the tree is a function of the SSM alone, which greedy verification and multi-step
+speculative sampling's point-mass candidates both take exactly (see ``verify.py``).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .engines.runtime import Runtime
+
+COST_CONTEXT = 256                          # cached tokens the cost table is measured over
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)     # tree tokens measured; larger trees extrapolate
+
+
+def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[int],
+               repeats: int = 20, seed: int = 0) -> list[dict]:
+    """Median wall time of one ``score`` call of a T-node tree over a cache of C tokens.
+
+    The tree is a balanced binary tree (node i's parent is (i - 1) // 2), a shape between a chain
+    and a star; the step is discarded after timing (commit of an empty path), so the cache stays C.
+    """
+    rng = np.random.default_rng(seed)
+    results = []
+    for context in contexts:
+        seq = runtime.start()
+        try:
+            runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
+            for t in tree_sizes:
+                tokens = rng.integers(0, runtime.vocab_size, t)
+                parents = [(i - 1) // 2 if i else -1 for i in range(t)]
+                runtime.score(seq, tokens, parents)  # warm-up: shapes, allocator
+                runtime.commit(seq, [])
+                samples = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    runtime.score(seq, tokens, parents)
+                    samples.append(time.perf_counter() - start)
+                    runtime.commit(seq, [])
+                results.append({"context": context, "tree_tokens": t,
+                                "median_ms": 1e3 * float(np.median(samples)),
+                                "p90_ms": 1e3 * float(np.percentile(samples, 90))})
+        finally:
+            runtime.release(seq)
+    return results
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one LLM verification call by tree tokens, interpolated between measured sizes
+    (and extrapolated along the last two beyond them)."""
+
+    tree_tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, tokens: float) -> float:
+        x, y = self.tree_tokens, self.seconds
+        if tokens > x[-1] and len(x) > 1:
+            return y[-1] + (tokens - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return float(np.interp(tokens, x, y))
+
+    @classmethod
+    def measure(cls, runtime: Runtime, context: int = COST_CONTEXT, sizes: Sequence[int] = COST_SIZES,
+                repeats: int = 9, seed: int = 0) -> "StepCost":
+        """Time the runtime's verification calls here and now (about a third of a second for the
+        embedded LLM). The sizes take turns, so a load that comes and goes weighs on all alike."""
+        sizes = [t for t in sizes if t < runtime.max_context]
+        context = max(1, min(context, runtime.max_context - max(sizes)))
+        rng = np.random.default_rng(seed)
+        seq = runtime.start()
+        samples: dict[int, list[float]] = {t: [] for t in sizes}
+        try:
+            runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
+            for repeat in range(repeats + 1):        # the first round warms up
+                for t in sizes:
+                    tokens, parents = rng.integers(0, runtime.vocab_size, t), [i - 1 for i in range(t)]
+                    start = time.perf_counter()
+                    runtime.score(seq, tokens, parents)
+                    if repeat:
+                        samples[t].append(time.perf_counter() - start)
+                    runtime.commit(seq, [])
+        finally:
+            runtime.release(seq)
+        # A larger tree measured faster than a smaller one is noise: keep the table non-decreasing.
+        seconds = np.maximum.accumulate([float(np.median(samples[t])) for t in sizes])
+        return cls(tuple(sizes), tuple(float(s) for s in seconds))
+
+    def to_dict(self) -> dict:
+        return {"tree_tokens": list(self.tree_tokens), "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepCost":
+        return cls(tuple(int(t) for t in d["tree_tokens"]), tuple(float(s) for s in d["seconds"]))
+
+
+_measured: "weakref.WeakKeyDictionary[Runtime, StepCost]" = weakref.WeakKeyDictionary()
+
+
+def step_cost(runtime: Runtime) -> StepCost:
+    """The runtime's cost table, measured at its first use and kept as long as the runtime lives."""
+    if runtime not in _measured:
+        _measured[runtime] = StepCost.measure(runtime)
+    return _measured[runtime]
+
+
+class TreeSizer:
+    """Chooses how many draft nodes a step verifies, from the cost table and the steps seen so far."""
+
+    def __init__(self, cost: StepCost, overhead: float | None = None):
+        self.cost = cost
+        # Seconds of a step outside the LLM call: a guess until the first steps are observed.
+        self.overhead = cost(1) / 2 if overhead is None else overhead
+
+    def observe(self, overhead_seconds: float, weight: float = 0.2) -> None:
+        """One step's seconds outside the LLM call (a moving average: the machine's load changes)."""
+        self.overhead += weight * (overhead_seconds - self.overhead)
+
+    def tokens_per_second(self, reach: Sequence[float]) -> np.ndarray:
+        """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``."""
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
+        seconds = np.array([self.cost(1 + k) for k in range(len(reach) + 1)]) + self.overhead
+        return expected / seconds
+
+    def best_count(self, reach: Sequence[float]) -> int:
+        """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
+        a child's reach never exceeds its parent's, so a kept prefix is always a tree)."""
+        if not len(reach):
+            return 0
+        return int(np.argmax(self.tokens_per_second(reach)))

@@ -1,0 +1,61 @@
+"""The dynamic tree's cost model and sizer: the verification cost table and the best tree size."""
+import numpy as np
+import pytest
+
+from specinfer.engines.onnxruntime import OrtRuntime
+from specinfer.tree_sizing import StepCost, TreeSizer, step_cost
+
+
+def test_step_cost_interpolates_and_extrapolates():
+    cost = StepCost((1, 4, 8), (1.0, 1.3, 2.1))
+    assert cost(1) == 1.0 and cost(8) == 2.1
+    assert cost(2) == pytest.approx(1.1) and cost(6) == pytest.approx(1.7)
+    assert cost(12) == pytest.approx(2.9)        # along the last segment's slope, 0.2 per token
+    assert StepCost.from_dict(cost.to_dict()) == cost
+
+
+def brute_force_best(cost, overhead, reach):
+    rates = [(1 + sum(reach[:k])) / (cost(1 + k) + overhead) for k in range(len(reach) + 1)]
+    return int(np.argmax(rates)), rates
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_count_maximises_expected_tokens_per_second(seed):
+    rng = np.random.default_rng(seed)
+    sizes = (1, 2, 4, 8, 16)
+    cost = StepCost(sizes, tuple(np.cumsum(rng.uniform(0.0, 1.0, len(sizes))) + 1.0))
+    reach = np.cumprod(rng.uniform(0.2, 1.0, 12))
+    sizer = TreeSizer(cost, overhead=rng.uniform(0.0, 2.0))
+    best, rates = brute_force_best(cost, sizer.overhead, reach)
+    assert sizer.best_count(reach) == best
+    assert np.allclose(sizer.tokens_per_second(reach), rates)
+
+
+def test_best_count_follows_cost_and_confidence():
+    reach = np.cumprod([0.9] * 8)
+    free, dear = StepCost((1, 9), (1.0, 1.0)), StepCost((1, 9), (1.0, 33.0))
+    assert TreeSizer(free, overhead=0.5).best_count(reach) == 8     # free tokens: keep all
+    assert TreeSizer(dear, overhead=0.5).best_count(reach) == 0     # each costs two steps: none
+    mid = TreeSizer(StepCost((1, 9), (1.0, 4.0)), overhead=0.5)
+    assert 0 < mid.best_count(reach) < 8
+    assert mid.best_count(np.cumprod([0.99] * 8)) >= mid.best_count(reach) >= mid.best_count(np.cumprod([0.5] * 8))
+    # A dearer step outside the LLM makes each verified token relatively cheaper: keep more.
+    assert TreeSizer(mid.cost, overhead=5.0).best_count(reach) > mid.best_count(reach)
+    assert mid.best_count([]) == 0
+
+
+def test_sizer_tracks_the_overhead():
+    sizer = TreeSizer(StepCost((1,), (1.0,)))
+    assert sizer.overhead == 0.5                     # a guess before any step
+    for _ in range(40):
+        sizer.observe(2.0)
+    assert sizer.overhead == pytest.approx(2.0, abs=1e-3)
+
+
+def test_measured_cost_table(exported):
+    rt = OrtRuntime(exported["llama3"])
+    cost = StepCost.measure(rt, context=32, sizes=(1, 4, 16), repeats=3)
+    assert cost.tree_tokens == (1, 4, 16)
+    assert all(0 < a <= b for a, b in zip(cost.seconds, cost.seconds[1:]))
+    assert rt.sequences() == []                      # the measurement left no sequence open
+    assert step_cost(rt) is step_cost(rt)            # measured once per runtime
