@@ -141,8 +141,8 @@ class LocalSpeculator:
         verdict = verify(token_tree, logits, self.params, self.rng, self.rule)
         self.llm.commit(self.seq, verdict.path)
         t2 = time.perf_counter()
-        if self.sizer is not None:
-            self.sizer.observe(t1 - t0)   # what drafting costs beside the LLM call, as it runs
+        if self.sizer is not None:   # what drafting and verification cost, as they run
+            self.sizer.observe(t1 - t0, tree_tokens=len(token_tree), llm_seconds=t2 - t1)
         self.stats.ssm_seconds += t1 - t0
         self.stats.llm_seconds += t2 - t1
         self.stats.draft_tokens += len(token_tree) - 1

@@ -80,8 +80,10 @@ class StepCost:
     @classmethod
     def measure(cls, runtime: Runtime, context: int = COST_CONTEXT, sizes: Sequence[int] = COST_SIZES,
                 repeats: int = 9, seed: int = 0) -> "StepCost":
-        """Time the runtime's verification calls here and now (about a third of a second for the
-        embedded LLM). The sizes take turns, so a load that comes and goes weighs on all alike."""
+        """Time the runtime's verification calls here and now (about half a second for the embedded
+        LLM). The sizes take turns, so a load that comes and goes weighs on all alike; the table is
+        the straight line fitted to the medians (on CPU the cost grows about linearly with the tree,
+        and a line does not turn one noisy size into a step that would decide every tree)."""
         sizes = [t for t in sizes if t < runtime.max_context]
         context = max(1, min(context, runtime.max_context - max(sizes)))
         rng = np.random.default_rng(seed)
@@ -89,19 +91,22 @@ class StepCost:
         samples: dict[int, list[float]] = {t: [] for t in sizes}
         try:
             runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
-            for repeat in range(repeats + 1):        # the first round warms up
+            warm_up = 3   # rounds: a cold process runs its first calls far slower
+            for repeat in range(warm_up + repeats):
                 for t in sizes:
                     tokens, parents = rng.integers(0, runtime.vocab_size, t), [i - 1 for i in range(t)]
                     start = time.perf_counter()
                     runtime.score(seq, tokens, parents)
-                    if repeat:
+                    if repeat >= warm_up:
                         samples[t].append(time.perf_counter() - start)
                     runtime.commit(seq, [])
         finally:
             runtime.release(seq)
-        # A larger tree measured faster than a smaller one is noise: keep the table non-decreasing.
-        seconds = np.maximum.accumulate([float(np.median(samples[t])) for t in sizes])
-        return cls(tuple(sizes), tuple(float(s) for s in seconds))
+        medians = [float(np.median(samples[t])) for t in sizes]
+        slope, intercept = np.polyfit(sizes, medians, 1) if len(sizes) > 1 else (0.0, medians[0])
+        slope = max(0.0, float(slope))             # a larger tree never costs less
+        intercept = max(float(intercept), 1e-6 - slope * sizes[0])
+        return cls(tuple(sizes), tuple(intercept + slope * t for t in sizes))
 
     def to_dict(self) -> dict:
         return {"tree_tokens": list(self.tree_tokens), "seconds": list(self.seconds)}
@@ -122,22 +127,50 @@ def step_cost(runtime: Runtime) -> StepCost:
 
 
 class TreeSizer:
-    """Chooses how many draft nodes a step verifies, from the cost table and the steps seen so far."""
+    """Chooses how many draft nodes a step verifies, from the cost table and the steps seen so far.
+
+    The LLM's cost per step is a line ``a + b * tree tokens`` fitted to the measured table and then
+    to the steps actually run (a running least-squares fit that forgets old steps): in decoding the
+    SSMs and Python run between LLM calls, so a call costs more than back to back in the table,
+    and more so per tree token."""
+
+    PRIOR_WEIGHT = 4.0   # how many steps the measured table counts for against the observed ones
+    FORGET = 0.98        # per observed step
 
     def __init__(self, cost: StepCost, overhead: float | None = None):
         self.cost = cost
         # Seconds of a step outside the LLM call: a guess until the first steps are observed.
         self.overhead = cost(1) / 2 if overhead is None else overhead
+        t, y = np.asarray(cost.tree_tokens, dtype=float), np.asarray(cost.seconds, dtype=float)
+        w = self.PRIOR_WEIGHT / len(t)
+        # Weighted sums for the fit: n, sum t, sum y, sum t^2, sum t*y.
+        self._sums = w * np.array([len(t), t.sum(), y.sum(), (t * t).sum(), (t * y).sum()])
+        self._line = self._fit()
 
-    def observe(self, overhead_seconds: float, weight: float = 0.2) -> None:
-        """One step's seconds outside the LLM call (a moving average: the machine's load changes)."""
+    def _fit(self) -> tuple[float, float]:
+        n, st, sy, stt, sty = self._sums
+        var = n * stt - st * st
+        slope = max(0.0, (n * sty - st * sy) / var) if var > 1e-12 else 0.0
+        return (sy - slope * st) / n, slope
+
+    def llm_seconds(self, tree_tokens: np.ndarray | float) -> np.ndarray | float:
+        intercept, slope = self._line
+        return np.maximum(intercept + slope * np.asarray(tree_tokens, dtype=float), 1e-6)
+
+    def observe(self, overhead_seconds: float, weight: float = 0.2, tree_tokens: int | None = None,
+                llm_seconds: float | None = None) -> None:
+        """One step's seconds outside the LLM call (a moving average: the machine's load changes)
+        and, when given, its LLM call's tree size and seconds (verification included)."""
         self.overhead += weight * (overhead_seconds - self.overhead)
+        if tree_tokens is not None and llm_seconds is not None:
+            t = float(tree_tokens)
+            self._sums = self.FORGET * self._sums + np.array([1.0, t, llm_seconds, t * t, t * llm_seconds])
+            self._line = self._fit()
 
     def tokens_per_second(self, reach: Sequence[float]) -> np.ndarray:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``."""
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
-        seconds = np.array([self.cost(1 + k) for k in range(len(reach) + 1)]) + self.overhead
-        return expected / seconds
+        return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + self.overhead)
 
     def best_count(self, reach: Sequence[float]) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:

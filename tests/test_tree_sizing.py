@@ -14,8 +14,8 @@ def test_step_cost_interpolates_and_extrapolates():
     assert StepCost.from_dict(cost.to_dict()) == cost
 
 
-def brute_force_best(cost, overhead, reach):
-    rates = [(1 + sum(reach[:k])) / (cost(1 + k) + overhead) for k in range(len(reach) + 1)]
+def brute_force_best(llm_seconds, overhead, reach):
+    rates = [(1 + sum(reach[:k])) / (llm_seconds(1 + k) + overhead) for k in range(len(reach) + 1)]
     return int(np.argmax(rates)), rates
 
 
@@ -26,7 +26,8 @@ def test_best_count_maximises_expected_tokens_per_second(seed):
     cost = StepCost(sizes, tuple(np.cumsum(rng.uniform(0.0, 1.0, len(sizes))) + 1.0))
     reach = np.cumprod(rng.uniform(0.2, 1.0, 12))
     sizer = TreeSizer(cost, overhead=rng.uniform(0.0, 2.0))
-    best, rates = brute_force_best(cost, sizer.overhead, reach)
+    slope, intercept = np.polyfit(sizes, cost.seconds, 1)     # the sizer's line through the table
+    best, rates = brute_force_best(lambda t: intercept + max(slope, 0) * t, sizer.overhead, reach)
     assert sizer.best_count(reach) == best
     assert np.allclose(sizer.tokens_per_second(reach), rates)
 
@@ -50,6 +51,19 @@ def test_sizer_tracks_the_overhead():
     for _ in range(40):
         sizer.observe(2.0)
     assert sizer.overhead == pytest.approx(2.0, abs=1e-3)
+
+
+def test_sizer_learns_the_llm_cost_from_the_steps_it_sees():
+    """The table says a tree token costs 0.1; the steps say 1.0: the line moves to the steps, and
+    the sizer keeps fewer nodes."""
+    sizer = TreeSizer(StepCost((1, 9), (1.0, 1.8)), overhead=0.5)
+    reach = np.cumprod([0.9] * 8)
+    before = sizer.best_count(reach)
+    assert sizer.llm_seconds(5) == pytest.approx(1.4)
+    for t in [1, 3, 5, 7, 9] * 40:
+        sizer.observe(0.5, tree_tokens=t, llm_seconds=1.0 * t)
+    assert sizer.llm_seconds(5) == pytest.approx(5.0, rel=0.05)
+    assert sizer.best_count(reach) < before
 
 
 def test_measured_cost_table(exported):
