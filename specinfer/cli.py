@@ -27,6 +27,7 @@ def _add_min_confidence(p: argparse.ArgumentParser) -> None:
                         "one); the output is exact either way")
 
 
+THREADS_HELP = "ONNX Runtime threads, a pool per model (default: one pool of all cores shared by the models)"
 TREE_HELP = ("'dynamic' (sized each step to this machine's verification cost and the SSMs' confidence) "
              "or children per depth, SpecInfer's expansion (e.g. 1,1,3,1,1,1,1,1)")
 
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=64, help="tree nodes at most, root included")
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
     p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--stats", action="store_true", help="print tokens/s and speculation statistics")
     _add_sampling(p)
     p.set_defaults(func=cmd_generate)
@@ -291,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trees", default="1,16,64")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
     p = sub.add_parser("train", help="train the demo tokenizer and LLM on the Python standard library")
@@ -321,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`)")
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads per model (0: all cores)")
+    p.add_argument("--threads", type=int, default=0, help=THREADS_HELP + " (0: the shared pool)")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_repo)
 
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "of .py files (default: the embedded held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--sampling", action="store_true", help="temperature 1: multi-step vs naive speculative sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")

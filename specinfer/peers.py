@@ -268,18 +268,21 @@ def ortgenai_speculative_folder(llm_onnx: Path, ssm_onnx: Path, work_dir: Path) 
     return out
 
 
-def _ortgenai_model(folder: Path, eos: list[int], threads: int | None, draft: bool):
+def _ortgenai_model(folder: Path, eos: list[int], threads: int | None, draft: bool, draft_threads: int = 1):
     """The model with our run settings laid over its genai_config.json (the files stay untouched)."""
     import onnxruntime_genai as og
 
-    # Threads as our ONNX Runtime engine sets them: all cores unless told, no inter-op pool, and no
-    # spin-waiting (target and draft sessions take turns on the same cores). Keys genai_config does
-    # not know become session config entries.
-    session = {"intra_op_num_threads": threads or os.cpu_count() or 1, "inter_op_num_threads": 1,
-               "session.intra_op.allow_spinning": "0"}
-    model = {"decoder": {"session_options": session}}
+    from .engines.onnxruntime import spinning
+
+    # Threads as our ONNX Runtime engine sets them: all cores unless told (and a draft model, small,
+    # one: see default_threads), no inter-op pool, spin-waiting within a run for a pool. Keys
+    # genai_config does not know become session config entries.
+    def session(n: int) -> dict:
+        return {"intra_op_num_threads": n, "inter_op_num_threads": 1, "session.intra_op.allow_spinning": spinning(n)}
+
+    model = {"decoder": {"session_options": session(threads or os.cpu_count() or 1)}}
     if draft:
-        model["draft"] = {"session_options": session}
+        model["draft"] = {"session_options": session(draft_threads)}
     if eos:
         model["eos_token_id"] = eos if len(eos) > 1 else eos[0]
     config = og.Config(str(folder))
@@ -370,7 +373,10 @@ def ortgenai_speculative(llm_dir: PathLike, ssm_dir: PathLike, prompts: Sequence
         folder = ortgenai_speculative_folder(ortgenai_convert(llm_dir, root), ortgenai_convert(ssm_dir, root, tokenizer_dir=llm_dir),
                                              root)
         eos = eos_ids(llm_dir, eos_id)
-        return _ortgenai_generate(_ortgenai_model(folder, eos, threads, draft=True), prompts, max_new_tokens,
-                                  eos, name, draft_tokens)
+        from .config import load_config
+        from .engines.onnxruntime import default_threads
+
+        model = _ortgenai_model(folder, eos, threads, draft=True, draft_threads=default_threads(load_config(ssm_dir)))
+        return _ortgenai_generate(model, prompts, max_new_tokens, eos, name, draft_tokens)
     except Exception as e:
         return _unavailable(name, e)

@@ -1,4 +1,5 @@
-"""Speculation: each small model (SSM) grows a token tree, one Runtime call per depth.
+"""Speculation: each small model (SSM) grows a token tree, one Runtime call per depth (a greedy
+chain: one call per chunk of the engine's drafter, :meth:`Runtime.draft_chain`).
 
 A draft starts by scoring, in one call, the tokens accepted last step that this SSM has not scored
 yet (its *catch-up*) followed by the root (the last emitted token). The root's logits give its
@@ -8,11 +9,12 @@ depth we do not build, and if accepted they become next step's catch-up, so no K
 """
 from __future__ import annotations
 
+import time
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from .engines.runtime import Runtime
+from .engines.runtime import ChainDraft, Runtime
 from .errors import SpecInferError
 from .sampling import SamplingParams, probabilities, sample
 from .tree import Proposal, TokenTree
@@ -31,7 +33,7 @@ def parse_widths(spec: str) -> list[int]:
 
 
 DYNAMIC = "dynamic"   # the tree spec of the dynamic tree (tree_sizing.py)
-DYNAMIC_DEPTH = 8     # tokens an SSM drafts for it (the exported drafter's depth: one call)
+DYNAMIC_DEPTH = 8     # the most tokens an SSM drafts for it: one call of the exported drafter
 
 
 def parse_tree(spec: "str | Sequence[int] | None") -> list[int] | None:
@@ -106,6 +108,7 @@ class SSMDrafter:
         self.catch_up: list[int] = []            # accepted tokens this SSM has not scored yet
         self._tree: TokenTree | None = None      # the draft awaiting commit
         self._slot: dict[int, int] = {}          # scored tree node -> its pending index in the runtime
+        self._chunk_seconds = 0.0                # a draft_chain call's seconds (moving average)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache."""
@@ -135,7 +138,7 @@ class SSMDrafter:
         if len(chain) > free:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
         if self.sizer is not None or (params.greedy and all(w == 1 for w in widths)):
-            return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1))
+            return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1), budget)
         logits = self.runtime.score(self.seq, chain)
         pending = len(chain)
         self._slot[0] = pending - 1
@@ -166,27 +169,75 @@ class SSMDrafter:
             frontier = list(zip(new, logits))
         return tree
 
-    def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int) -> TokenTree:
-        """A chain of the SSM's top tokens in one Runtime call (:meth:`Runtime.draft_chain`), cut
-        where the SSM's confidence falls below ``min_confidence`` and, with a sizer, where the
-        next token would cost more than it brings. The tokens are deterministic candidates (exact
-        under sampling too). Draft token i sits at pending index ``len(chain) + i``; the last one
+    def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int, budget: int) -> TokenTree:
+        """A chain of up to ``depth`` of the SSM's top tokens, drafted in chunks of the runtime's
+        cheapest :meth:`Runtime.draft_chain` call and cut where the SSM's confidence falls below
+        ``min_confidence``. With a sizer, each depth's runner-up may join as a leaf beside the
+        chain token, the nodes kept are the likeliest, as many as pay for their verification, and
+        drafting goes on while another chunk is expected to pay for itself. The tokens are
+        deterministic candidates (exact under sampling too). Draft token i sits at pending index ``len(chain) + i``; the last one
         is not scored (an engine may score it, but we do not count on it: if accepted, it is next
-        step's catch-up)."""
+        step's catch-up), nor are runner-ups."""
         self._slot[0] = len(chain) - 1
         if depth < 1:
             self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it
             return tree
-        drafted, probability = self.runtime.draft_chain(self.seq, chain, depth)
-        keep = next((i for i, p in enumerate(probability) if p < self.min_confidence), len(drafted))
-        if self.sizer is not None:
-            keep = min(keep, self.sizer.best_count(np.cumprod(probability)))
-        node = 0
-        for i, token in enumerate(drafted[:keep]):
-            node = tree.add(node, token, Proposal(self.index, 0, None))
-            if i < depth - 1:
-                self._slot[node] = len(chain) + i
+        draft = ChainDraft([], [], [], [])
+        inputs, keep = chain, 0
+        while True:
+            start = time.perf_counter()
+            part = self.runtime.draft_chain(self.seq, inputs, min(self.runtime.draft_depth, depth - len(draft.tokens)))
+            self._chunk_seconds += 0.2 * (time.perf_counter() - start - self._chunk_seconds)
+            for mine, theirs in zip(draft, part):
+                mine += theirs
+            confident = next((i for i, p in enumerate(draft.probability) if p < self.min_confidence), None)
+            keep = len(draft.tokens) if confident is None else confident
+            if confident is not None or len(draft.tokens) >= depth or not self._go_on(draft, part, budget):
+                break
+            inputs = draft.tokens[-1:]   # the next chunk continues the chain from its last token
+        chain_node = [0] * (keep + 1)    # chain token i's tree node at chain_node[i + 1]; the root at 0
+        for i, rank in sorted(self._candidates(draft, keep, budget)):
+            node = tree.add(chain_node[i], draft.tokens[i] if rank == 0 else draft.runner_up[i],
+                            Proposal(self.index, rank, None))
+            if rank == 0:
+                chain_node[i + 1] = node
+                if i < len(draft.tokens) - 1:
+                    self._slot[node] = len(chain) + i
         return tree
+
+    def _go_on(self, draft: ChainDraft, chunk: ChainDraft, budget: int) -> bool:
+        """Whether to draft another chunk: without a sizer, until the depth asked; with one, if the
+        chunk's tokens, expected as likely as the last chunk's on average, would pay for drafting
+        and verifying them."""
+        if self.sizer is None:
+            return True
+        reach = self._reach(draft, len(draft.tokens))
+        if len(reach) + 1 >= budget:
+            return False
+        likely = float(np.exp(np.mean(np.log(np.maximum(chunk.probability, 1e-9)))))
+        more = reach[len(draft.tokens) - 1] * likely ** np.arange(1, len(chunk.tokens) + 1)
+        return self.sizer.drafting_more_pays(np.sort(reach)[::-1], more, self._chunk_seconds)
+
+    @staticmethod
+    def _reach(draft: ChainDraft, keep: int) -> np.ndarray:
+        """The SSM's probability of the path to each node: the first ``keep`` chain tokens, then
+        their runner-ups (chain token i and runner-up i are both children of chain token i - 1)."""
+        reach = np.cumprod(draft.probability[:keep])
+        above = np.concatenate([[1.0], reach[:-1]])
+        return np.concatenate([reach, above * np.asarray(draft.runner_up_probability[:keep])])
+
+    def _candidates(self, draft: ChainDraft, keep: int, budget: int) -> list[tuple[int, int]]:
+        """The draft nodes to verify, as (depth index, rank): the chain's first ``keep`` tokens
+        (rank 0) or, with a sizer, the likeliest of them and of their runner-ups (rank 1)."""
+        if self.sizer is None:
+            return [(i, 0) for i in range(keep)]
+        reach = self._reach(draft, keep)
+        candidates = [(r, i % keep, i // keep) for i, r in enumerate(reach)]
+        # Likeliest first; a child is never likelier than its parent, and at equal reach the sort
+        # keeps the parent (lower depth, rank 0) first, so every kept prefix is a tree.
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        kept = candidates[:min(budget - 1, self.sizer.best_count([c[0] for c in candidates]))]
+        return [(i, rank) for _, i, rank in kept]
 
     def commit(self, path_tokens: Sequence[int]) -> None:
         """Keep what verification accepted: ``path_tokens`` is the accepted path's tokens, root first,

@@ -9,8 +9,9 @@ every step keeps the draft nodes most likely to be accepted, as many as maximise
 where a node's *reach* is its SSM path probability (the product of the SSM's probabilities of the
 tokens from the root to it: the SSMs are trained to predict the LLM's greedy token, so this
 estimates the chance that verification accepts the node), the 1 is the LLM's bonus token, the LLM
-cost of T tree tokens comes from a table measured on this machine (:class:`StepCost`) and the
-overhead is what a step costs outside the LLM (SSMs, Python), measured as decoding runs.
+cost of T tree tokens is a line fitted to a table measured on this machine (:class:`StepCost`) and
+refitted to the steps decoding runs, and the overhead is what a step costs outside the LLM (SSMs,
+Python), measured as decoding runs.
 
 Exactness does not depend on any of this: the nodes are the SSM's deterministic picks (its top
 tokens), so the tree is a function of the SSM alone, which greedy verification and multi-step
@@ -27,86 +28,59 @@ import numpy as np
 
 from .engines.runtime import Runtime
 
-COST_CONTEXT = 256                          # cached tokens the cost table is measured over
+COST_CONTEXT = 256                          # cached tokens the cost is measured over
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)     # tree tokens measured; larger trees extrapolate
 
 
 def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[int],
-               repeats: int = 20, seed: int = 0) -> list[dict]:
+               repeats: int = 20, warm_up: int = 3, seed: int = 0) -> list[dict]:
     """Median wall time of one ``score`` call of a T-node tree over a cache of C tokens.
 
     The tree is a balanced binary tree (node i's parent is (i - 1) // 2), a shape between a chain
     and a star; the step is discarded after timing (commit of an empty path), so the cache stays C.
+    The sizes take turns, so a load that comes and goes weighs on all alike, after ``warm_up``
+    untimed rounds (a cold process runs its first calls far slower).
     """
     rng = np.random.default_rng(seed)
     results = []
     for context in contexts:
         seq = runtime.start()
+        samples: dict[int, list[float]] = {t: [] for t in tree_sizes}
         try:
             runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
-            for t in tree_sizes:
-                tokens = rng.integers(0, runtime.vocab_size, t)
-                parents = [(i - 1) // 2 if i else -1 for i in range(t)]
-                runtime.score(seq, tokens, parents)  # warm-up: shapes, allocator
-                runtime.commit(seq, [])
-                samples = []
-                for _ in range(repeats):
+            for round_ in range(warm_up + repeats):
+                for t in tree_sizes:
+                    tokens = rng.integers(0, runtime.vocab_size, t)
+                    parents = [(i - 1) // 2 if i else -1 for i in range(t)]
                     start = time.perf_counter()
                     runtime.score(seq, tokens, parents)
-                    samples.append(time.perf_counter() - start)
+                    if round_ >= warm_up:
+                        samples[t].append(time.perf_counter() - start)
                     runtime.commit(seq, [])
-                results.append({"context": context, "tree_tokens": t,
-                                "median_ms": 1e3 * float(np.median(samples)),
-                                "p90_ms": 1e3 * float(np.percentile(samples, 90))})
         finally:
             runtime.release(seq)
+        results += [{"context": context, "tree_tokens": t,
+                     "median_ms": 1e3 * float(np.median(samples[t])),
+                     "p90_ms": 1e3 * float(np.percentile(samples[t], 90))} for t in tree_sizes]
     return results
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one LLM verification call by tree tokens, interpolated between measured sizes
-    (and extrapolated along the last two beyond them)."""
+    """Median seconds of one LLM verification call at each measured tree size (at one context)."""
 
     tree_tokens: tuple[int, ...]
     seconds: tuple[float, ...]
-
-    def __call__(self, tokens: float) -> float:
-        x, y = self.tree_tokens, self.seconds
-        if tokens > x[-1] and len(x) > 1:
-            return y[-1] + (tokens - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
-        return float(np.interp(tokens, x, y))
 
     @classmethod
     def measure(cls, runtime: Runtime, context: int = COST_CONTEXT, sizes: Sequence[int] = COST_SIZES,
                 repeats: int = 9, seed: int = 0) -> "StepCost":
         """Time the runtime's verification calls here and now (about half a second for the embedded
-        LLM). The sizes take turns, so a load that comes and goes weighs on all alike; the table is
-        the straight line fitted to the medians (on CPU the cost grows about linearly with the tree,
-        and a line does not turn one noisy size into a step that would decide every tree)."""
+        LLM)."""
         sizes = [t for t in sizes if t < runtime.max_context]
         context = max(1, min(context, runtime.max_context - max(sizes)))
-        rng = np.random.default_rng(seed)
-        seq = runtime.start()
-        samples: dict[int, list[float]] = {t: [] for t in sizes}
-        try:
-            runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
-            warm_up = 3   # rounds: a cold process runs its first calls far slower
-            for repeat in range(warm_up + repeats):
-                for t in sizes:
-                    tokens, parents = rng.integers(0, runtime.vocab_size, t), [i - 1 for i in range(t)]
-                    start = time.perf_counter()
-                    runtime.score(seq, tokens, parents)
-                    if repeat >= warm_up:
-                        samples[t].append(time.perf_counter() - start)
-                    runtime.commit(seq, [])
-        finally:
-            runtime.release(seq)
-        medians = [float(np.median(samples[t])) for t in sizes]
-        slope, intercept = np.polyfit(sizes, medians, 1) if len(sizes) > 1 else (0.0, medians[0])
-        slope = max(0.0, float(slope))             # a larger tree never costs less
-        intercept = max(float(intercept), 1e-6 - slope * sizes[0])
-        return cls(tuple(sizes), tuple(intercept + slope * t for t in sizes))
+        rows = step_times(runtime, [context], sizes, repeats=repeats, seed=seed)
+        return cls(tuple(sizes), tuple(r["median_ms"] / 1e3 for r in rows))
 
     def to_dict(self) -> dict:
         return {"tree_tokens": list(self.tree_tokens), "seconds": list(self.seconds)}
@@ -130,9 +104,10 @@ class TreeSizer:
     """Chooses how many draft nodes a step verifies, from the cost table and the steps seen so far.
 
     The LLM's cost per step is a line ``a + b * tree tokens`` fitted to the measured table and then
-    to the steps actually run (a running least-squares fit that forgets old steps): in decoding the
-    SSMs and Python run between LLM calls, so a call costs more than back to back in the table,
-    and more so per tree token."""
+    to the steps actually run (a running least-squares fit that forgets old steps). A line, since on
+    CPU the cost grows about linearly with the tree, and a line does not turn one noisy size into a
+    step that would decide every tree; refitted, since in decoding the SSMs and Python run between
+    LLM calls, so a call costs more than back to back in the table, and more so per tree token."""
 
     PRIOR_WEIGHT = 4.0   # how many steps the measured table counts for against the observed ones
     FORGET = 0.98        # per observed step
@@ -140,7 +115,7 @@ class TreeSizer:
     def __init__(self, cost: StepCost, overhead: float | None = None):
         self.cost = cost
         # Seconds of a step outside the LLM call: a guess until the first steps are observed.
-        self.overhead = cost(1) / 2 if overhead is None else overhead
+        self.overhead = cost.seconds[0] / 2 if overhead is None else overhead
         t, y = np.asarray(cost.tree_tokens, dtype=float), np.asarray(cost.seconds, dtype=float)
         w = self.PRIOR_WEIGHT / len(t)
         # Weighted sums for the fit: n, sum t, sum y, sum t^2, sum t*y.
@@ -171,6 +146,14 @@ class TreeSizer:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``."""
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
         return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + self.overhead)
+
+    def drafting_more_pays(self, reach: Sequence[float], more: Sequence[float], seconds: float) -> bool:
+        """Whether drafting nodes of reach ``more`` (expected), at ``seconds`` more drafting, would
+        raise the best expected tokens per second over the nodes of ``reach`` (each best first)."""
+        longer = np.sort(np.concatenate([reach, more]))[::-1]
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(longer)])
+        rate = expected / (self.llm_seconds(1 + np.arange(len(longer) + 1)) + self.overhead + seconds)
+        return bool(rate.max() > self.tokens_per_second(reach).max())
 
     def best_count(self, reach: Sequence[float]) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:

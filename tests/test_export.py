@@ -3,10 +3,10 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from conftest import FAMILIES, make_checkpoint
+from specinfer.engines.onnxruntime import open_session
 from specinfer.errors import SpecInferError
 from specinfer.export import export_model, input_names
 from specinfer.export.onnx_export import sample_inputs
@@ -36,7 +36,7 @@ def test_export_graph_and_manifest(family, exported):
 def test_dynamic_shapes_run_in_onnxruntime(exported):
     out = exported["llama3"]
     cfg = json.loads((out / "manifest.json").read_text())["config"]
-    sess = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    sess = open_session(str(out / "model.onnx"))
 
     class C:  # sample_inputs wants attribute access
         vocab_size, num_kv_heads, head_dim, num_layers = (cfg[k] for k in ("vocab_size", "num_kv_heads", "head_dim", "num_layers"))

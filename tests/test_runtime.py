@@ -118,20 +118,57 @@ def test_tree_on_an_empty_cache(runtime, reference):
 
 
 def test_one_call_draft_is_the_token_by_token_draft(exported):
-    """The unrolled drafter graph drafts the greedy chain of the Runtime's own score calls, with the
-    same probabilities, and leaves the same KV behind: after committing part of the draft, the next
-    step's logits agree."""
+    """The unrolled drafter graph, called twice (the second call continuing the first's chain),
+    drafts the greedy chain of the Runtime's own score calls, with the same runner-ups and
+    probabilities, and leaves the same KV behind: after committing a path across the two calls,
+    the next step's logits agree."""
     from specinfer.engines.runtime import Runtime
 
     rt = OrtRuntime(exported["llama3"])
+    d = rt.draft_depth
+    assert d > 1
     fast, slow = rt.start(), rt.start()
     results = []
-    for seq, draft in ((fast, rt.draft_chain), (slow, lambda *a: Runtime.draft_chain(rt, *a))):
+    for seq in (fast, slow):
         rt.prefill(seq, PROMPT)
-        tokens, probability = draft(seq, [7, 8], 5)
-        rt.commit(seq, [0, 1, 2, 3])               # 7, 8 and the first two drafted tokens
-        results.append((tokens, probability, rt.score(seq, [tokens[2]])[0]))
-    (t1, p1, l1), (t2, p2, l2) = results
-    assert t1 == t2 and len(t1) == 5
-    assert np.allclose(p1, p2, atol=1e-5) and all(0 < p <= 1 for p in p1)
+        if seq == fast:
+            first = rt.draft_chain(seq, [7, 8], d)
+            chain = [a + b for a, b in zip(first, rt.draft_chain(seq, first.tokens[-1:], d))]
+        else:
+            chain = Runtime.draft_chain(rt, seq, [7, 8], 2 * d)
+        rt.commit(seq, list(range(d + 3)))         # 7, 8 and the first d + 1 drafted tokens
+        results.append((chain, rt.score(seq, [chain[0][d + 1]])[0]))
+    ((t1, p1, r1, rp1), l1), ((t2, p2, r2, rp2), l2) = results
+    assert t1 == t2 and r1 == r2 and len(t1) == 2 * d
+    assert all(a != b for a, b in zip(t1, r1))
+    assert np.allclose(p1, p2, atol=1e-5) and np.allclose(rp1, rp2, atol=1e-5)
+    assert all(1 >= p >= r > 0 for p, r in zip(p1, rp1))
     assert np.abs(l1 - l2).max() < TOL
+
+
+def test_draft_chain_continues_only_a_chain(exported):
+    rt = OrtRuntime(exported["llama3"])
+    seq = rt.start()
+    rt.prefill(seq, PROMPT)
+    rt.score(seq, [5, 6, 7], [-1, 0, 0])           # a pending tree, not a chain
+    with pytest.raises(SpecInferError, match="pending tree"):
+        rt.draft_chain(seq, [9], rt.draft_depth)
+
+
+def test_session_threads():
+    """By default a session runs on the process's shared pool; given threads before the process
+    shares one, on a pool of its own that spins within a run where it has workers."""
+    from specinfer.engines.onnxruntime import session_options
+
+    from specinfer.engines import onnxruntime as engine
+
+    key = "session.intra_op.allow_spinning"
+    shared, engine._shared_pool = engine._shared_pool, []    # as in a process with no shared pool yet
+    try:
+        assert session_options(2).use_per_session_threads is True
+        assert session_options(2).get_session_config_entry(key) == "1"
+        assert session_options(1).get_session_config_entry(key) == "0"
+    finally:
+        engine._shared_pool = shared
+    assert session_options(None).use_per_session_threads is False
+    assert session_options(2).use_per_session_threads is False   # ONNX Runtime allows no other then

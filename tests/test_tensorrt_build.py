@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from specinfer.engines import tensorrt_build as tb
 from specinfer.engines.loader import is_engine_folder, load_runtime
+from specinfer.engines.onnxruntime import open_session
 from specinfer.errors import SpecInferError
 from specinfer.export import export_model
 from specinfer.export.onnx_export import sample_inputs
@@ -141,7 +141,7 @@ def test_native_body_matches_reference(t, extra, past, hq, hkv, d):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
     feeds = [f(2, t, hq, d), f(2, t, hkv, d), f(2, t, hkv, d), f(2, past + extra, hkv, d), f(2, past + extra, hkv, d), mask]
     model = tb.native_model(single_node(onnx_function.function_proto(), hq, hkv, d))
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = open_session(model.SerializeToString())
     got = sess.run(None, dict(zip(onnx_function.INPUTS, feeds)))[0]
     assert np.abs(got - tree_attention_reference(*feeds)).max() < 1e-5
 
@@ -168,7 +168,7 @@ def test_native_graph_same_logits_as_plugin_graph(exported, tmp_path):
 
     src = exported["llama3"]
     native = tb.write_native_onnx(src / "model.onnx", tmp_path / tb.NATIVE_ONNX)
-    session = lambda p: (lambda: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]))
+    session = lambda p: (lambda: open_session(str(p)))
     runners = [OnnxrtRunner(session(native), name="native"), OnnxrtRunner(session(src / "model.onnx"), name="plugin")]
 
     class C:
@@ -189,8 +189,8 @@ def test_compare_reports_a_mismatch(exported):
     for node in model.graph.node:
         if node.op_type == "Attention":
             node.attribute[0].f = 1.05  # a wrong scale
-    runners = [OnnxrtRunner(lambda: ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])),
-               OnnxrtRunner(lambda: ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]))]
+    runners = [OnnxrtRunner(lambda: open_session(model.SerializeToString())),
+               OnnxrtRunner(lambda: open_session(str(src)))]
 
     class C:
         vocab_size, num_kv_heads, head_dim, num_layers = 320, 2, 16, 2

@@ -1,11 +1,11 @@
 """TreeAttention: the packed-bit format, and every implementation against the float64 reference."""
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
 
+from specinfer.engines.onnxruntime import open_session
 from specinfer.plugins import onnx_function
 from specinfer.plugins.tree_attention import (ancestor_matrix, pack_bits, tree_attention,
                                               tree_attention_reference, unpack_bits, visibility)
@@ -83,7 +83,7 @@ def test_onnx_function_body_matches_reference(case):
     q, k, v, pk, pv, mask = case
     model = single_node_model(q.shape[2], k.shape[2], q.shape[3])
     onnx.checker.check_model(model)
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = open_session(model.SerializeToString())
     got = sess.run(None, dict(zip(onnx_function.INPUTS, case)))[0]
     assert np.abs(got - tree_attention_reference(*case)).max() < TOL
 

@@ -3,15 +3,7 @@ import numpy as np
 import pytest
 
 from specinfer.engines.onnxruntime import OrtRuntime
-from specinfer.tree_sizing import StepCost, TreeSizer, step_cost
-
-
-def test_step_cost_interpolates_and_extrapolates():
-    cost = StepCost((1, 4, 8), (1.0, 1.3, 2.1))
-    assert cost(1) == 1.0 and cost(8) == 2.1
-    assert cost(2) == pytest.approx(1.1) and cost(6) == pytest.approx(1.7)
-    assert cost(12) == pytest.approx(2.9)        # along the last segment's slope, 0.2 per token
-    assert StepCost.from_dict(cost.to_dict()) == cost
+from specinfer.tree_sizing import StepCost, TreeSizer, step_cost, step_times
 
 
 def brute_force_best(llm_seconds, overhead, reach):
@@ -48,6 +40,7 @@ def test_best_count_follows_cost_and_confidence():
 def test_sizer_tracks_the_overhead():
     sizer = TreeSizer(StepCost((1,), (1.0,)))
     assert sizer.overhead == 0.5                     # a guess before any step
+    assert sizer.llm_seconds(7) == 1.0               # one size measured: a flat line
     for _ in range(40):
         sizer.observe(2.0)
     assert sizer.overhead == pytest.approx(2.0, abs=1e-3)
@@ -69,7 +62,24 @@ def test_sizer_learns_the_llm_cost_from_the_steps_it_sees():
 def test_measured_cost_table(exported):
     rt = OrtRuntime(exported["llama3"])
     cost = StepCost.measure(rt, context=32, sizes=(1, 4, 16), repeats=3)
-    assert cost.tree_tokens == (1, 4, 16)
-    assert all(0 < a <= b for a, b in zip(cost.seconds, cost.seconds[1:]))
+    assert cost.tree_tokens == (1, 4, 16) and all(s > 0 for s in cost.seconds)
+    assert StepCost.from_dict(cost.to_dict()) == cost
     assert rt.sequences() == []                      # the measurement left no sequence open
     assert step_cost(rt) is step_cost(rt)            # measured once per runtime
+
+
+def test_step_times_rows(exported):
+    rt = OrtRuntime(exported["llama3"])
+    rows = step_times(rt, contexts=[8, 32], tree_sizes=[1, 5], repeats=2, warm_up=1)
+    assert [(r["context"], r["tree_tokens"]) for r in rows] == [(8, 1), (8, 5), (32, 1), (32, 5)]
+    assert all(0 < r["median_ms"] <= r["p90_ms"] for r in rows)
+    assert rt.sequences() == []
+
+
+def test_drafting_more_pays_when_the_nodes_are_likely_and_cheap():
+    sizer = TreeSizer(StepCost((1, 9), (1.0, 1.8)), overhead=0.5)
+    reach = np.cumprod([0.9] * 4)
+    likely, unlikely = reach[-1] * np.cumprod([0.9] * 4), reach[-1] * np.cumprod([0.05] * 4)
+    assert sizer.drafting_more_pays(reach, likely, seconds=0.01)
+    assert not sizer.drafting_more_pays(reach, unlikely, seconds=0.01)
+    assert not sizer.drafting_more_pays(reach, likely, seconds=10.0)   # drafting them costs too much

@@ -311,7 +311,8 @@ SIZING_COST = StepCost((1, 4), (1.0, 1.6))
 
 def sized_tree(params, ssms=(0, 1)):
     """The dynamic tree as SSMDrafter and TreeSizer really make it: each SSM's top-token chain (up
-    to depth 3) cut where another token would not pay for itself, merged."""
+    to depth 3) with each depth's runner-up beside it, the likeliest nodes kept while another
+    would pay for itself, merged."""
     trees = []
     for ssm in ssms:
         drafter = SSMDrafter(ContextRuntime(lambda ctx, ssm=ssm: ssm_logits(ssm, ctx)), ssm,
@@ -319,20 +320,26 @@ def sized_tree(params, ssms=(0, 1)):
         trees.append(drafter.draft(ROOT, [1, 1, 1], params, np.random.default_rng(0), budget=10))
         drafter.release()
     assert any(0 < max(t.depths) < 3 for t in trees)   # the cost model did cut a chain
+    assert any(pr.rank == 1 for t in trees for ps in t.proposals for pr in ps)   # and kept a runner-up
     return merge(trees, budget=100)[0]
 
 
-def test_sized_tree_is_the_chain_cut_by_the_cost_model():
-    """The drafter's dynamic tree is the SSM's greedy chain, cut at TreeSizer's best count."""
+def test_sized_tree_keeps_the_likeliest_nodes_that_pay():
+    """The drafter's dynamic tree: the SSM's greedy chain and each depth's runner-up, ranked by
+    the SSM's path probability, the first TreeSizer.best_count of them kept."""
     tree = sized_tree(PARAMS[0], ssms=(0,))
-    tokens, reach, ctx = [], [], ()
-    for _ in range(3):
+    candidates, ctx, above = [], (), 1.0
+    for depth in range(1, 4):
         q = probabilities(ssm_logits(0, ctx), SamplingParams(temperature=1.0))
-        tokens.append(int(np.argmax(q)))
-        reach.append((reach[-1] if reach else 1.0) * q.max())
-        ctx += (tokens[-1],)
-    keep = TreeSizer(SIZING_COST, overhead=0.5).best_count(reach)
-    assert tree.tokens[1:] == tokens[:keep] and tree.parents == list(range(-1, keep))
+        first, second = np.argsort(-q, kind="stable")[:2]
+        candidates += [(above * q[first], ctx + (first,)), (above * q[second], ctx + (second,))]
+        above, ctx = above * q[first], ctx + (int(first),)
+    candidates.sort(key=lambda c: -c[0])
+    keep = TreeSizer(SIZING_COST, overhead=0.5).best_count([r for r, _ in candidates])
+    drafted = {tuple(int(t) for t in context(tree, u)) for u in range(1, len(tree))}
+    assert drafted == {tuple(int(t) for t in path) for _, path in candidates[:keep]}
+    assert 0 < keep < len(candidates)
+    assert max(tree.depths) >= 2     # ContextRuntime drafts a token a call: the drafter went on
 
 
 DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged, sized_tree]

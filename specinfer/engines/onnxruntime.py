@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
-from .runtime import Runtime, SequenceState
+from .runtime import ChainDraft, Runtime, SequenceState
 
 MANIFEST = "manifest.json"
 LOWEST = np.finfo(np.float32).min
@@ -37,26 +37,74 @@ def read_manifest(onnx_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def session_options(threads: int):
-    """CPU session options for models that take turns on few cores."""
+def session_options(threads: int | None):
+    """CPU session options for models that take turns on few cores: on the process's shared
+    thread pool (``threads`` None), or on a pool of ``threads`` of its own if the process has no
+    shared pool yet.
+
+    The shared pool is the fast way. Its workers spin-wait between kernels and stay warm while the
+    models take turns: blocked workers made every one of the LLM's ~190 small kernels pay a
+    wake-up (its step took twice as long on 2 cores), and pools of their own, spinning, fight for
+    the cores when models alternate (two threads for the SSM beside the LLM's pool made the LLM's
+    step 3x slower). Measured with an SSM draft between LLM calls, as in decoding, on 2 cores: LLM
+    8 tokens 3.2-3.4 ms and SSM draft of 8 1.3 ms on the shared pool, against 3.7-4.0 and 1.9-2.0
+    ms with a spinning pool of 2 for the LLM and one thread for the SSM, and 5.3-5.6 and 2.0 ms
+    with no spinning at all.
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
     # Shapes change every call (the tree, the bias): a memory pattern planned for one shape is never
     # reused, and planning it each call cost a small model up to a third of its step.
     options.enable_mem_pattern = False
-    # Several sessions (LLM, SSMs) take turns on few cores: threads that spin-wait after their
-    # work would steal the cores from the session that runs next.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Once the shared pool exists ONNX Runtime allows no session a pool of its own: threads given
+    # then are ignored.
+    if (threads is None and _share_thread_pool()) or _shared_pool == [True]:
+        options.use_per_session_threads = False
+    else:
+        options.intra_op_num_threads = threads or os.cpu_count() or 1
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning(options.intra_op_num_threads))
     return options
 
 
+def open_session(model: "str | Path | bytes", threads: int | None = None):
+    """An ONNX Runtime CPU session with :func:`session_options`. Every session specinfer makes goes
+    through here: once the process's shared pool exists, ONNX Runtime refuses a session with a pool
+    of its own unless given threads (another library's sessions in the same process then need
+    ``use_per_session_threads = False``, or specinfer ``threads``)."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(model) if isinstance(model, Path) else model, session_options(threads),
+                                providers=["CPUExecutionProvider"])
+
+
+_shared_pool: list[bool] = []   # whether this process's shared pool exists, once tried
+
+
+def _share_thread_pool() -> bool:
+    """Make the process's shared ONNX Runtime pool (every core, spinning) on first use."""
+    if not _shared_pool:
+        import onnxruntime as ort
+
+        try:
+            ort.set_global_thread_pool_sizes(os.cpu_count() or 1, 1)
+            _shared_pool.append(True)
+        except Exception:   # an embedding process made its environment otherwise: pools of our own
+            _shared_pool.append(False)
+    return _shared_pool[0]
+
+
+def spinning(threads: int) -> str:
+    """The ``session.intra_op.allow_spinning`` entry for a pool of ``threads`` of its own: spin
+    within a run where there are workers (see :func:`session_options`)."""
+    return "1" if threads > 1 else "0"
+
+
 def default_threads(config: ModelConfig) -> int:
-    """Intra-op threads for a model: one for a small one, whose kernels are too short to split
-    across cores (an SSM step took half the time on one thread as on two), else every core."""
+    """Intra-op threads for a model on a pool of its own (how the onnxruntime-genai peer runs):
+    one for a small one, whose pool would fight the LLM's for the cores, else every core."""
     c = config
     params = c.vocab_size * c.hidden_size + c.num_layers * c.hidden_size * (
         (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim + 3 * c.intermediate_size)
@@ -80,13 +128,14 @@ class OrtRuntime(Runtime):
         config = ModelConfig.from_dict(self.manifest["config"])
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
-        self.threads = threads or default_threads(config)
-        options = session_options(self.threads)
+        self.threads = threads   # None: the process's shared pool
+        options = session_options(threads)
         self.session = ort.InferenceSession(str(self.dir / lowered), options, providers=["CPUExecutionProvider"])
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
-        self.draft_depth = self.manifest.get("draft_depth", 0)
+        self._draft_onnx = self.manifest.get("draft_onnx")
+        self.draft_depth = self.manifest.get("draft_depth", 1) if self._draft_onnx else 1
         self._draft_session = None   # opened at the first draft: a target LLM never drafts
         self._options = options
 
@@ -109,14 +158,15 @@ class OrtRuntime(Runtime):
                     binding.bind_output(present, "cpu", 0, np.float32, shape, address)
         return binding
 
-    def draft_chain(self, seq_id, tokens, depth: int) -> tuple[list[int], list[float]]:
+    def draft_chain(self, seq_id, tokens, depth: int) -> ChainDraft:
         """One session run of the export's drafter (``draft.ort.onnx``) when it fits; else one
         Runtime call per token (the base class)."""
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        c, d = len(tokens), self.draft_depth
-        if seq.pending or not 1 <= depth <= d or seq.length + c + d - 1 > seq.capacity:
+        c, d, m = len(tokens), self.draft_depth, seq.pending
+        if self._draft_onnx is None or not 1 <= depth <= d or seq.length + m + c + d - 1 > seq.capacity:
             return super().draft_chain(seq_id, tokens, depth)
+        self._check_pending_chain(seq_id)
         self._check_tokens(tokens)
         if "draft" not in seq.bindings:
             from ..export.ort_lowering import drafter_present_names
@@ -124,23 +174,27 @@ class OrtRuntime(Runtime):
             if self._draft_session is None:
                 import onnxruntime as ort
 
-                self._draft_session = ort.InferenceSession(str(self.dir / self.manifest["draft_onnx"]),
+                self._draft_session = ort.InferenceSession(str(self.dir / self._draft_onnx),
                                                            self._options, providers=["CPUExecutionProvider"])
             steps = drafter_present_names(self.config.num_layers, d)
             per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
             seq.bindings["draft"] = self._bind_cache(self._draft_session, seq, per_layer)
         binding = seq.bindings["draft"]
-        end = seq.length + c
+        end = seq.length + m + c      # every new token sees all slots before its own: the prefix and the chain
         binding.bind_cpu_input("input_ids", tokens[None])
         binding.bind_cpu_input("seqlens_k", np.array([end - 1], dtype=np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(end, dtype=np.int32))
-        drafted, mass = np.empty((1, d), dtype=np.int64), np.empty((1, d, 1), dtype=np.float32)
-        binding.bind_output("draft_tokens", "cpu", 0, np.int64, drafted.shape, drafted.ctypes.data)
-        binding.bind_output("draft_mass", "cpu", 0, np.float32, mass.shape, mass.ctypes.data)
+        drafted, top = np.empty((d, 2), dtype=np.int64), np.empty((d, 2), dtype=np.float32)
+        mass = np.empty(d, dtype=np.float32)
+        for name, array in (("draft_tokens", drafted), ("draft_logits", top), ("draft_mass", mass)):
+            shape = (1, d, 1) if array is mass else (1, d, 2)
+            binding.bind_output(name, "cpu", 0, array.dtype.type, shape, array.ctypes.data)
         self._draft_session.run_with_iobinding(binding)
-        n = c + d - 1                 # scored: the tokens and every draft token but the last
+        n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
         seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
-        return drafted[0, :depth].tolist(), (1.0 / mass[0, :depth, 0]).tolist()
+        probability = np.exp(top[:depth] - top[:depth, :1]) / mass[:depth, None]
+        return ChainDraft(drafted[:depth, 0].tolist(), probability[:, 0].tolist(),
+                          drafted[:depth, 1].tolist(), probability[:, 1].tolist())
 
     def _forward(self, seq: SequenceState, tokens, positions, visible) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot

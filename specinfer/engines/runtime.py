@@ -18,13 +18,33 @@ import abc
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
 from ..plugins.tree_attention import ancestor_matrix
+
+
+class ChainDraft(NamedTuple):
+    """A greedy chain drafted by :meth:`Runtime.draft_chain`, with each depth's runner-up."""
+
+    tokens: list[int]                 # the chain: each the argmax after the ones before
+    probability: list[float]          # each token's probability under the model (temperature 1)
+    runner_up: list[int]              # at each depth, the second most likely token (a sibling of tokens[i])
+    runner_up_probability: list[float]
+
+
+def chain_step(logits: np.ndarray) -> tuple[int, float, int, float]:
+    """The two most likely tokens of one position's logits and their probabilities (temperature 1),
+    ties to the lower id (as argmax breaks them)."""
+    first = int(np.argmax(logits))
+    rest = logits.copy()
+    rest[first] = -np.inf
+    second = int(np.argmax(rest))
+    mass = float(np.exp(logits - logits[first]).sum())
+    return first, 1.0 / mass, second, float(np.exp(logits[second] - logits[first])) / mass
 
 
 @dataclass
@@ -48,6 +68,9 @@ class Runtime(abc.ABC):
 
     config: ModelConfig
     max_context: int
+    # Draft tokens one draft_chain call makes at its cheapest: a drafter asks in chunks of this
+    # many and decides between chunks whether to go on (the base class drafts token by token).
+    draft_depth: int = 1
 
     def __init__(self, config: ModelConfig, max_context: int):
         self.config = config
@@ -161,23 +184,28 @@ class Runtime(abc.ABC):
         seq.length += len(path)
         seq.parents, seq.depths = [], []
 
-    def draft_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int) -> tuple[list[int], list[float]]:
-        """Greedy drafting: score ``tokens`` as a chain after the committed prefix (no pending tree),
-        then extend it ``depth`` tokens by argmax. Returns the drafted tokens and each one's
-        probability under the model (temperature 1). The drafted tokens but the last are left
-        pending after ``tokens``, as a chain: pending node ``len(tokens) + i`` is draft token i.
-        An engine may draft more tokens than asked (and leave them pending) to do it in one call.
+    def draft_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int) -> ChainDraft:
+        """Greedy drafting: score ``tokens`` as a chain after the committed prefix and the pending
+        nodes, which must be a chain too (none, or an earlier draft's: ``tokens`` then continue
+        it), then extend it ``depth`` tokens by argmax. Returns the drafted tokens, each depth's
+        runner-up, and their probabilities under the model. The drafted tokens but the last are
+        left pending after ``tokens``, as a chain: with m nodes pending before the call, pending
+        node ``m + len(tokens) + i`` is draft token i. An engine may draft more tokens than asked
+        (and leave them pending) to do it in one call, never more than :attr:`draft_depth`.
         """
-        if self._get(seq_id).pending:
-            raise SpecInferError("draft_chain needs a sequence with no pending tree: commit first")
+        self._check_pending_chain(seq_id)
         logits = self.score(seq_id, tokens)[-1]
-        drafted, probability = [], []
+        steps = []
         for i in range(depth):
-            drafted.append(int(np.argmax(logits)))
-            probability.append(float(1.0 / np.exp(logits - logits.max()).sum()))
+            steps.append(chain_step(logits))
             if i + 1 < depth:
-                logits = self.score(seq_id, drafted[-1:])[0]
-        return drafted, probability
+                logits = self.score(seq_id, [steps[-1][0]])[0]
+        return ChainDraft(*([list(column) for column in zip(*steps)] if steps else [[], [], [], []]))
+
+    def _check_pending_chain(self, seq_id: Hashable) -> None:
+        seq = self._get(seq_id)
+        if seq.parents != list(range(-1, seq.pending - 1)):
+            raise SpecInferError("draft_chain continues a chain: the sequence has a pending tree; commit first")
 
     def prefill(self, seq_id: Hashable, tokens: Sequence[int]) -> np.ndarray:
         """Score and commit a chain of tokens; returns the logits of the last one, float32 [V]."""

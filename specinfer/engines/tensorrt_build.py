@@ -375,11 +375,12 @@ def validation_cases(manifest: dict) -> dict[str, tuple[int, dict]]:
 def onnxruntime_runner(onnx_path: Path, dtype: str):
     """A polygraphy runner of the export on ONNX Runtime's CPU provider; for bf16, the graph computed
     in float32 (bf16 feeds converted on the way in, KV outputs back to bf16 on the way out)."""
-    import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
+    from .onnxruntime import open_session
+
     if dtype != "bf16":
-        return OnnxrtRunner(lambda: ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]))
+        return OnnxrtRunner(lambda: open_session(str(onnx_path)))
     from ..export.onnx_export import upcast_bf16
 
     class Float32Runner(OnnxrtRunner):
@@ -400,7 +401,7 @@ def onnxruntime_runner(onnx_path: Path, dtype: str):
                     for k, v in out.items()}
 
     proto = upcast_bf16(onnx.load(onnx_path))
-    return Float32Runner(lambda: ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]))
+    return Float32Runner(lambda: open_session(proto.SerializeToString()))
 
 
 def compare(runners: list, cases: dict[str, tuple[int, dict]], atol: float, rtol: float,

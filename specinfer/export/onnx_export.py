@@ -25,7 +25,8 @@ from ..plugins.tree_attention import tree_mask_from_parents
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
 # Bumped whenever the exported graph changes, so cached exports of checkpoints are redone.
-EXPORT_FORMAT = "specinfer-onnx/3"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering
+EXPORT_FORMAT = "specinfer-onnx/5"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering;
+                                    # 5: the drafter gives each step's runner-up token
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well under it
@@ -284,8 +285,9 @@ def validate_export(onnx_path: Path, flat_model, config, dtype: str) -> dict[str
     bf16 weights in float32 (:func:`upcast_bf16`) against the PyTorch model with the same
     bf16-rounded weights in float32: it checks the graph and its weights, not bf16 rounding of
     activations (``specinfer validate`` on a TensorRT engine checks that part)."""
-    import onnxruntime as ort
     import torch
+
+    from ..engines.onnxruntime import open_session
 
     np_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[dtype]
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.float32}[dtype]
@@ -296,15 +298,15 @@ def validate_export(onnx_path: Path, flat_model, config, dtype: str) -> dict[str
             flat_model = flat_model.float()
             upcast = upcast_bf16(onnx.load(onnx_path))
             if upcast.ByteSize() < (1 << 31) - (1 << 26):
-                session = ort.InferenceSession(upcast.SerializeToString(), providers=["CPUExecutionProvider"])
+                session = open_session(upcast.SerializeToString())
             else:  # protobuf's 2 GiB limit: through a file with external data
                 import tempfile
 
                 tmp = Path(tempfile.mkdtemp(prefix="specinfer-bf16-")) / "model.onnx"
                 onnx.save(upcast, tmp, save_as_external_data=True, location="model.onnx.data")
-                session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+                session = open_session(str(tmp))
         else:
-            session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+            session = open_session(str(onnx_path))
     except Exception as e:  # noqa: BLE001 - report ORT's own words
         raise SpecInferError(f"ONNX Runtime cannot load the export for validation ({e}); "
                              f"export again with --no-validate to skip this check") from None

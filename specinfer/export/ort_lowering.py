@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 ORT_ONNX = "model.ort.onnx"
 DRAFT_ONNX = "draft.ort.onnx"
 WEIGHTS = "weights.ort.bin"   # both graphs' initializers, written once
-DRAFT_DEPTH = 8               # tokens a one-call draft proposes
+DRAFT_DEPTH = 8               # tokens one drafter call proposes (a drafter may call again to go on)
 MS = "com.microsoft"
 
 
@@ -222,9 +222,12 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.Mo
     """A greedy chain of ``depth`` tokens drafted in one session run.
 
     Step 0 scores ``input_ids`` (tokens the model has not seen, the root last), every later step
-    the token the step before chose (its argmax). Outputs ``draft_tokens`` int64 [1, depth] and
-    ``draft_mass`` float32 [1, depth, 1], the inverse of each token's probability under the model
-    (its confidence, at temperature 1). The cache gains the KV of the inputs and of the first depth - 1 draft tokens.
+    the token the step before chose (its argmax). Outputs, per step: ``draft_tokens`` int64
+    [1, depth, 2], its two most likely tokens (the chain follows the first; the second is the
+    runner-up a dynamic tree may add as a leaf); ``draft_logits`` float32 [1, depth, 2], their
+    logits; ``draft_mass`` float32 [1, depth, 1], sum(exp(logits - max)), so that a token's
+    probability (temperature 1) is exp(its logit - max) / mass. The cache gains the KV of the inputs
+    and of the first depth - 1 draft tokens.
     Every new token sees everything before it (the cache holds only committed tokens when a draft
     starts) and its position is its slot, so the graph takes neither a bias nor positions: the
     attention kernel derives them from ``seqlens_k``. ORT pays a few microseconds per kernel here,
@@ -237,7 +240,7 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.Mo
     presents = drafter_present_names(c.num_layers, depth)
     one = g.constant("one_i32", np.array(1, np.int32))
     ids, seqlens, total = "input_ids", "seqlens_k", "total_sequence_length"
-    tokens, mass = [], []
+    tokens, top_logits, mass = [], [], []
     for j in range(depth):
         tag = f"step{j}/"
         if j:
@@ -245,17 +248,22 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.Mo
             total = g.node("Add", [total, one], [f"{tag}total"])[0]
         logits = g.decoder(tag, ids, "", seqlens, total, "", list(zip(presents[j][0::2], presents[j][1::2])),
                            last_only=True)                                                # [1, 1, V]
-        top, index = g.node("TopK", [logits, g.constant("k1", np.array([1], np.int64))],
-                            [f"{tag}top", f"{tag}index"], axis=-1)
-        ids = g.node("Squeeze", [index, g.constant("last_axis", np.array([-1], np.int64))], [f"{tag}token"])[0]
-        tokens.append(ids)                                                                 # [1, 1]
-        # sum(exp(logits - max)) = 1 / (the token's probability). ReduceLogSumExp would be one kernel,
-        # but ONNX Runtime's is about 10x slower than these three.
-        shifted = g.node("Exp", [g.node("Sub", [logits, top], [f"{tag}shifted"])[0]], [f"{tag}exp"])[0]
-        mass.append(g.node("ReduceSum", [shifted, "last_axis"], [f"{tag}mass"], keepdims=1)[0])
+        top, index = g.node("TopK", [logits, g.constant("k2", np.array([2], np.int64))],
+                            [f"{tag}top", f"{tag}index"], axis=-1)                         # [1, 1, 2]
+        tokens.append(index)
+        top_logits.append(top)
+        ids = g.node("Gather", [index, g.constant("first", np.array(0, np.int64))], [f"{tag}token"], axis=-1)[0]
+        # sum(exp(logits - max)) = 1 / (the top token's probability). ReduceLogSumExp would be one
+        # kernel, but ONNX Runtime's is about 10x slower than these three.
+        best = g.node("Gather", [top, g.constant("first_kept", np.array([0], np.int64))], [f"{tag}best"], axis=-1)[0]
+        shifted = g.node("Exp", [g.node("Sub", [logits, best], [f"{tag}shifted"])[0]], [f"{tag}exp"])[0]
+        mass.append(g.node("ReduceSum", [shifted, g.constant("last_axis", np.array([-1], np.int64))],
+                           [f"{tag}mass"], keepdims=1)[0])
     g.node("Concat", tokens, ["draft_tokens"], axis=1)
+    g.node("Concat", top_logits, ["draft_logits"], axis=1)
     g.node("Concat", mass, ["draft_mass"], axis=1)
-    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, [1, depth]),
+    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, [1, depth, 2]),
+               helper.make_tensor_value_info("draft_logits", TensorProto.FLOAT, [1, depth, 2]),
                helper.make_tensor_value_info("draft_mass", TensorProto.FLOAT, [1, depth, 1])]
     outputs += _kv_values(c, [n for step in presents for n in step])
     inputs = [i for i in _step_inputs(c, with_bias=False) if i.name != "position_ids"]
@@ -300,12 +308,13 @@ def attention_bias(parents_of_tree: np.ndarray, prefix: int, num_new: int) -> np
 
 def validate_lowering(model_bytes: bytes, flat_model, config, max_context: int, tolerance: float) -> dict[str, float]:
     """The lowered graph against the PyTorch model: a prefill, then a branching tree over it."""
-    import onnxruntime as ort
     import torch
+
+    from ..engines.onnxruntime import open_session
 
     from ..plugins.tree_attention import ancestor_matrix, tree_mask_from_parents
 
-    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    session = open_session(model_bytes)
     rng = np.random.default_rng(3)
     c = config
     capacity = min(max_context, 64)
