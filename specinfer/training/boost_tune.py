@@ -179,6 +179,8 @@ def boost_tune(llm_dir: str | Path, corpus: Corpus, out_dir: str | Path, cfg: Bo
             break
     # Held out, token by token: how often at least one SSM proposes the LLM's token (what merging buys).
     report["held_out_any_ssm_agrees"] = float(np.any(held_out_hits, axis=0).mean())
+    report_file = out_dir / "boost_tuning.json"
+    report_file.write_text(json.dumps(report, indent=2))   # before the evaluation: training is the costly part
     if cfg.tree_prompts:
         tree = [1, 1, 3, 1, 1, 1, 1, 1]
         prompts = [list(map(int, row[:cfg.prompt_len])) for row in test_tokens[:cfg.tree_prompts]]
@@ -192,5 +194,5 @@ def boost_tune(llm_dir: str | Path, corpus: Corpus, out_dir: str | Path, cfg: Bo
         print(f"held out, tree {report['tree']}: {report['tokens_per_step_ssm1']:.2f} tokens per step with SSM 1, "
               f"{report['tokens_per_step_merged']:.2f} with all {len(ssm_rts)} merged", flush=True)
     print(f"some SSM agrees with the LLM on {report['held_out_any_ssm_agrees']:.1%} of held-out tokens", flush=True)
-    (out_dir / "boost_tuning.json").write_text(json.dumps(report, indent=2))
+    report_file.write_text(json.dumps(report, indent=2))
     return report
