@@ -71,9 +71,9 @@ def session_options(threads: int | None):
 
 def open_session(model: "str | Path | bytes", threads: int | None = None):
     """An ONNX Runtime CPU session with :func:`session_options`. Every session specinfer makes goes
-    through here: once the process's shared pool exists, ONNX Runtime refuses a session with a pool
-    of its own unless given threads (another library's sessions in the same process then need
-    ``use_per_session_threads = False``, or specinfer ``threads``)."""
+    through these options: once the process's shared pool exists, ONNX Runtime refuses any session
+    with a pool of its own (another library's sessions in the same process then need
+    ``use_per_session_threads = False``)."""
     import onnxruntime as ort
 
     return ort.InferenceSession(str(model) if isinstance(model, Path) else model, session_options(threads),
