@@ -175,9 +175,9 @@ class SSMDrafter:
         ``min_confidence``. With a sizer, each depth's runner-up may join as a leaf beside the
         chain token, the nodes kept are the likeliest, as many as pay for their verification, and
         drafting goes on while another chunk is expected to pay for itself. The tokens are
-        deterministic candidates (exact under sampling too). Draft token i sits at pending index ``len(chain) + i``; the last one
-        is not scored (an engine may score it, but we do not count on it: if accepted, it is next
-        step's catch-up), nor are runner-ups."""
+        deterministic candidates (exact under sampling too). Draft token i sits at pending index
+        ``len(chain) + i``; the last one is not scored (an engine may score it, but we do not count
+        on it: if accepted, it is next step's catch-up), nor are runner-ups."""
         self._slot[0] = len(chain) - 1
         if depth < 1:
             self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it

@@ -142,18 +142,17 @@ class TreeSizer:
             self._sums = self.FORGET * self._sums + np.array([1.0, t, llm_seconds, t * t, t * llm_seconds])
             self._line = self._fit()
 
-    def tokens_per_second(self, reach: Sequence[float]) -> np.ndarray:
-        """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``."""
+    def tokens_per_second(self, reach: Sequence[float], extra_seconds: float = 0.0) -> np.ndarray:
+        """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``, with
+        ``extra_seconds`` more per step outside the LLM."""
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
-        return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + self.overhead)
+        return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + self.overhead + extra_seconds)
 
     def drafting_more_pays(self, reach: Sequence[float], more: Sequence[float], seconds: float) -> bool:
         """Whether drafting nodes of reach ``more`` (expected), at ``seconds`` more drafting, would
         raise the best expected tokens per second over the nodes of ``reach`` (each best first)."""
         longer = np.sort(np.concatenate([reach, more]))[::-1]
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(longer)])
-        rate = expected / (self.llm_seconds(1 + np.arange(len(longer) + 1)) + self.overhead + seconds)
-        return bool(rate.max() > self.tokens_per_second(reach).max())
+        return bool(self.tokens_per_second(longer, seconds).max() > self.tokens_per_second(reach).max())
 
     def best_count(self, reach: Sequence[float]) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:

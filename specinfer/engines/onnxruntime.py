@@ -115,8 +115,6 @@ class OrtRuntime(Runtime):
     """Runtime over an exported folder's ONNX Runtime lowering, on the CPU."""
 
     def __init__(self, onnx_dir: str | Path, threads: int | None = None, max_context: int | None = None):
-        import onnxruntime as ort
-
         from ..export.ort_lowering import ORT_ONNX, output_names
 
         self.dir = Path(onnx_dir)
@@ -129,15 +127,13 @@ class OrtRuntime(Runtime):
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
         self.threads = threads   # None: the process's shared pool
-        options = session_options(threads)
-        self.session = ort.InferenceSession(str(self.dir / lowered), options, providers=["CPUExecutionProvider"])
+        self.session = open_session(self.dir / lowered, threads)
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
         self._draft_onnx = self.manifest.get("draft_onnx")
         self.draft_depth = self.manifest.get("draft_depth", 1) if self._draft_onnx else 1
         self._draft_session = None   # opened at the first draft: a target LLM never drafts
-        self._options = options
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
@@ -172,10 +168,7 @@ class OrtRuntime(Runtime):
             from ..export.ort_lowering import drafter_present_names
 
             if self._draft_session is None:
-                import onnxruntime as ort
-
-                self._draft_session = ort.InferenceSession(str(self.dir / self._draft_onnx),
-                                                           self._options, providers=["CPUExecutionProvider"])
+                self._draft_session = open_session(self.dir / self._draft_onnx, self.threads)
             steps = drafter_present_names(self.config.num_layers, d)
             per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
             seq.bindings["draft"] = self._bind_cache(self._draft_session, seq, per_layer)
