@@ -142,7 +142,8 @@ class LocalSpeculator:
         self.llm.commit(self.seq, verdict.path)
         t2 = time.perf_counter()
         if self.sizer is not None:   # what drafting and verification cost, as they run
-            self.sizer.observe(t1 - t0, tree_tokens=len(token_tree), llm_seconds=t2 - t1)
+            drafted = any(d.drafted for d in self.drafters)
+            self.sizer.observe(t1 - t0 if drafted else None, tree_tokens=len(token_tree), llm_seconds=t2 - t1)
         self.stats.ssm_seconds += t1 - t0
         self.stats.llm_seconds += t2 - t1
         self.stats.draft_tokens += len(token_tree) - 1

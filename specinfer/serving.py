@@ -267,7 +267,7 @@ class DraftModel:
         start = time.perf_counter()
         draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget) if budget > 1 \
             else TokenTree(root)
-        if drafter.sizer is not None:
+        if drafter.sizer is not None and drafter.drafted:
             drafter.sizer.observe(time.perf_counter() - start)
         return tree_to_tensors(draft, self.runtime.vocab_size)
 

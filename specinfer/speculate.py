@@ -18,7 +18,7 @@ from .engines.runtime import ChainDraft, Runtime
 from .errors import SpecInferError
 from .sampling import SamplingParams, probabilities, sample
 from .tree import Proposal, TokenTree
-from .tree_sizing import TreeSizer
+from .tree_sizing import Acceptance, TreeSizer, acceptance
 
 
 def parse_widths(spec: str) -> list[int]:
@@ -109,6 +109,10 @@ class SSMDrafter:
         self._tree: TokenTree | None = None      # the draft awaiting commit
         self._slot: dict[int, int] = {}          # scored tree node -> its pending index in the runtime
         self._chunk_seconds = 0.0                # a draft_chain call's seconds (moving average)
+        # With a sizer: the SSM's acceptance record, and the draft's candidates as
+        # (tree node, rank, SSM probability), for the record to learn from at commit.
+        self._acceptance: Acceptance | None = None
+        self._proposed: list[tuple[int, int, float]] = []
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache."""
@@ -133,10 +137,14 @@ class SSMDrafter:
             raise SpecInferError("draft called twice without a commit in between")
         chain = self.catch_up + [int(root)]
         tree = TokenTree(root)
-        self._tree, self._slot = tree, {}
+        self._tree, self._slot, self._proposed = tree, {}, []
         free = self.runtime.capacity(self.seq) - self.runtime.length(self.seq)
         if len(chain) > free:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
+        if self.sizer is not None:
+            self._acceptance = acceptance(self.runtime, params)
+            if not self._acceptance.drafting_pays():
+                return tree   # drafts do not pay here: no call now, the tokens wait as catch-up
         if self.sizer is not None or (params.greedy and all(w == 1 for w in widths)):
             return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1), budget)
         logits = self.runtime.score(self.seq, chain)
@@ -199,6 +207,8 @@ class SSMDrafter:
         for i, rank in sorted(self._candidates(draft, keep, budget)):
             node = tree.add(chain_node[i], draft.tokens[i] if rank == 0 else draft.runner_up[i],
                             Proposal(self.index, rank, None))
+            if self.sizer is not None:
+                self._proposed.append((node, rank, (draft.probability if rank == 0 else draft.runner_up_probability)[i]))
             if rank == 0:
                 chain_node[i + 1] = node
                 if i < len(draft.tokens) - 1:
@@ -218,13 +228,16 @@ class SSMDrafter:
         more = reach[len(draft.tokens) - 1] * likely ** np.arange(1, len(chunk.tokens) + 1)
         return self.sizer.drafting_more_pays(np.sort(reach)[::-1], more, self._chunk_seconds)
 
-    @staticmethod
-    def _reach(draft: ChainDraft, keep: int) -> np.ndarray:
-        """The SSM's probability of the path to each node: the first ``keep`` chain tokens, then
-        their runner-ups (chain token i and runner-up i are both children of chain token i - 1)."""
-        reach = np.cumprod(draft.probability[:keep])
+    def _reach(self, draft: ChainDraft, keep: int) -> np.ndarray:
+        """The chance that verification accepts each node, by the SSM's probabilities as the
+        acceptance record rates them: the first ``keep`` chain tokens, then their runner-ups (chain
+        token i and runner-up i are both children of chain token i - 1)."""
+        first = self._acceptance(draft.probability[:keep], 0)
+        reach = np.cumprod(first)
         above = np.concatenate([[1.0], reach[:-1]])
-        return np.concatenate([reach, above * np.asarray(draft.runner_up_probability[:keep])])
+        # A runner-up is never rated above its sibling, which verification must meet first (rank 0).
+        second = np.minimum(self._acceptance(draft.runner_up_probability[:keep], 1), first)
+        return np.concatenate([reach, above * second])
 
     def _candidates(self, draft: ChainDraft, keep: int, budget: int) -> list[tuple[int, int]]:
         """The draft nodes to verify, as (depth index, rank): the chain's first ``keep`` tokens
@@ -236,8 +249,29 @@ class SSMDrafter:
         # Likeliest first; a child is never likelier than its parent, and at equal reach the sort
         # keeps the parent (lower depth, rank 0) first, so every kept prefix is a tree.
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        kept = candidates[:min(budget - 1, self.sizer.best_count([c[0] for c in candidates]))]
+        ranked = [c[0] for c in candidates]
+        self._acceptance.expect(self.sizer.speedup(ranked))
+        kept = candidates[:min(budget - 1, self.sizer.best_count(ranked))]
         return [(i, rank) for _, i, rank in kept]
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the draft awaiting commit called the SSM (else it is the root alone, at no cost)."""
+        return self._tree is not None and 0 in self._slot
+
+    def _learn(self, tree: TokenTree, path_tokens: list[int]) -> None:
+        """Tell the acceptance record which candidates verification accepted, of those it reached."""
+        accepted, node = {0}, 0
+        for token in path_tokens[1:]:
+            node = tree.child(node, token)
+            if node is None:
+                break
+            accepted.add(node)
+        reached = [(node, rank, p) for node, rank, p in self._proposed if tree.parents[node] in accepted]
+        self._proposed = []
+        if reached:
+            nodes, ranks, probability = zip(*reached)
+            self._acceptance.observe(probability, ranks, [n in accepted for n in nodes])
 
     def commit(self, path_tokens: Sequence[int]) -> None:
         """Keep what verification accepted: ``path_tokens`` is the accepted path's tokens, root first,
@@ -247,6 +281,8 @@ class SSMDrafter:
         if tree is not None and (not path_tokens or path_tokens[0] != tree.tokens[0]):
             raise SpecInferError(f"accepted path {path_tokens} does not start at the draft's root {tree.tokens[0]}")
         self._tree = None
+        if tree is not None and self._proposed:
+            self._learn(tree, path_tokens)
         if tree is None or 0 not in self._slot:
             # No draft this step (the caller skipped it) or no room to score one: this SSM has seen
             # none of these tokens, so they all wait as catch-up.

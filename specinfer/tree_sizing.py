@@ -6,16 +6,20 @@ every step keeps the draft nodes most likely to be accepted, as many as maximise
 
     expected tokens per second = (1 + sum of kept nodes' reach) / (LLM cost(1 + kept) + overhead)
 
-where a node's *reach* is its SSM path probability (the product of the SSM's probabilities of the
-tokens from the root to it: the SSMs are trained to predict the LLM's greedy token, so this
-estimates the chance that verification accepts the node), the 1 is the LLM's bonus token, the LLM
-cost of T tree tokens is a line fitted to a table measured on this machine (:class:`StepCost`) and
+where a node's *reach* is the chance that verification accepts it (the product, along its path, of
+the SSM's probabilities of the tokens, each as the SSM's :class:`Acceptance` record rates it: the
+SSMs are trained to predict the LLM's greedy token, so their probability is a first guess, which
+the record corrects by what verification did with tokens of that probability), the 1 is the
+LLM's bonus token, the LLM cost of T tree tokens is a line fitted to a table measured on this machine (:class:`StepCost`) and
 refitted to the steps decoding runs, and the overhead is what a step costs outside the LLM (SSMs,
-Python), measured as decoding runs.
+Python), measured as decoding runs. Where even the best tree is expected to be slower than a step
+without one (text the SSM does not know, sampling at a high temperature), the SSM drafts nothing
+and tries again later.
 
 Exactness does not depend on any of this: the nodes are the SSM's deterministic picks (its top
-tokens), so the tree is a function of the SSM alone, which greedy verification and multi-step
-speculative sampling's point-mass candidates both take exactly (see ``verify.py``).
+tokens), so the tree is a function of the SSM and of the steps already verified, fixed before this
+step's verification draws anything, which greedy verification and multi-step speculative
+sampling's point-mass candidates both take exactly (see ``verify.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from .engines.runtime import Runtime
+from .sampling import SamplingParams
 
 COST_CONTEXT = 256                          # cached tokens the cost is measured over
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)     # tree tokens measured; larger trees extrapolate
@@ -132,11 +137,15 @@ class TreeSizer:
         intercept, slope = self._line
         return np.maximum(intercept + slope * np.asarray(tree_tokens, dtype=float), 1e-6)
 
-    def observe(self, overhead_seconds: float, weight: float = 0.2, tree_tokens: int | None = None,
+    def observe(self, overhead_seconds: float | None, weight: float = 0.2, tree_tokens: int | None = None,
                 llm_seconds: float | None = None) -> None:
-        """One step's seconds outside the LLM call (a moving average: the machine's load changes)
-        and, when given, its LLM call's tree size and seconds (verification included)."""
-        self.overhead += weight * (overhead_seconds - self.overhead)
+        """One step's seconds outside the LLM call (a moving average: the machine's load changes;
+        None for a step no SSM drafted, which says nothing of drafting's cost) and, when given, its
+        LLM call's tree size and seconds (verification included)."""
+        if overhead_seconds is not None:
+            # At most twice the estimate: a one-off (a session's first run, a hiccup of the machine)
+            # must not make drafting look dear for long, while a real rise still comes through.
+            self.overhead += weight * (min(overhead_seconds, 2 * self.overhead) - self.overhead)
         if tree_tokens is not None and llm_seconds is not None:
             t = float(tree_tokens)
             self._sums = self.FORGET * self._sums + np.array([1.0, t, llm_seconds, t * t, t * llm_seconds])
@@ -154,9 +163,90 @@ class TreeSizer:
         longer = np.sort(np.concatenate([reach, more]))[::-1]
         return bool(self.tokens_per_second(longer, seconds).max() > self.tokens_per_second(reach).max())
 
+    def speedup(self, reach: Sequence[float]) -> float:
+        """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
+        included, against a step that drafts nothing (one LLM token, no SSM)."""
+        return float(self.tokens_per_second(reach).max() * self.llm_seconds(1))
+
     def best_count(self, reach: Sequence[float]) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
         a child's reach never exceeds its parent's, so a kept prefix is always a tree)."""
         if not len(reach):
             return 0
         return int(np.argmax(self.tokens_per_second(reach)))
+
+
+class Acceptance:
+    """What an SSM's probabilities turn out to be worth: how often verification accepts its
+    candidates, by the probability the SSM gave them, and whether its drafts pay at all.
+
+    The SSM's probability of its top token is its own guess of the chance that the LLM agrees. On
+    text unlike its training data that guess is too high, and under sampling more so (a point-mass
+    candidate is accepted with the LLM's probability of it). So a candidate's probability is scaled
+    by accepted / expected, both counted per probability band over the steps seen (old steps
+    forgotten), starting from the SSM's own word. And where even the best tree is expected to be
+    slower than a step without one, the SSM stops drafting, and tries again after a wait that
+    doubles each time drafting still does not pay."""
+
+    EDGES = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99])
+    PRIOR = 2.0          # accepted tokens' worth of the SSM's own word, per band
+    FORGET = 0.99        # per verified step
+    RETRY = (2, 64)      # steps without a draft before the next try: first, most
+    GAIN_WEIGHT = 0.3    # of a new step in the moving average of the expected speedup
+
+    def __init__(self):
+        bands = (2, len(self.EDGES) + 1)              # rank 0 (chain token), rank 1 (runner-up)
+        self._accepted, self._expected = np.zeros(bands), np.zeros(bands)
+        self.gain: float | None = None                # expected speedup of drafting (moving average)
+        self._waited, self._wait = 0, self.RETRY[0]
+
+    def _band(self, probability: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.EDGES, probability, side="right")
+
+    def __call__(self, probability: Sequence[float], rank: int) -> np.ndarray:
+        """The chance that verification accepts a candidate of this rank and SSM probability, once
+        its parent is accepted."""
+        p = np.asarray(probability, dtype=float)
+        band = self._band(p)
+        scale = (self._accepted[rank, band] + self.PRIOR) / (self._expected[rank, band] + self.PRIOR)
+        return np.minimum(p * scale, 1.0)
+
+    def observe(self, probability: Sequence[float], rank: Sequence[int], accepted: Sequence[bool]) -> None:
+        """One verified step: the SSM probability and rank of each candidate whose parent was
+        accepted, and whether it was."""
+        self._accepted *= self.FORGET
+        self._expected *= self.FORGET
+        p = np.asarray(probability, dtype=float)
+        index = (np.asarray(rank, dtype=int), self._band(p))
+        np.add.at(self._accepted, index, np.asarray(accepted, dtype=float))
+        np.add.at(self._expected, index, p)
+
+    def expect(self, speedup: float) -> None:
+        """A draft's expected speedup over not drafting (:meth:`TreeSizer.speedup`)."""
+        self.gain = speedup if self.gain is None else self.gain + self.GAIN_WEIGHT * (speedup - self.gain)
+        if self.gain >= 1.0:
+            self._wait = self.RETRY[0]
+
+    def drafting_pays(self) -> bool:
+        """Whether to draft this step: yes while drafts are expected to pay, else now and then to
+        see whether they do again (the wait doubles each time they still do not)."""
+        if self.gain is None or self.gain >= 1.0:
+            return True
+        self._waited += 1
+        if self._waited < self._wait:
+            return False
+        self._waited, self._wait = 0, min(2 * self._wait, self.RETRY[1])
+        return True
+
+
+_acceptance: "weakref.WeakKeyDictionary[Runtime, dict[tuple, Acceptance]]" = weakref.WeakKeyDictionary()
+
+
+def acceptance(ssm: Runtime, params: SamplingParams) -> Acceptance:
+    """The SSM's acceptance record under this sampling (greedy and each temperature / top-k / top-p
+    accept differently), kept as long as the runtime lives and shared by its sequences."""
+    by_params = _acceptance.setdefault(ssm, {})
+    key = (0.0,) if params.greedy else (params.temperature, params.top_k, params.top_p)
+    if key not in by_params:
+        by_params[key] = Acceptance()
+    return by_params[key]

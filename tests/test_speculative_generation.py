@@ -34,7 +34,12 @@ def tokens(llm, prompt, n=40, eos=EOS, **kw):
 
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("ssms", [["close"], ["far"], ["close", "far"]])
-def test_greedy_speculative_equals_incremental(pair, tree, ssms):
+def test_greedy_speculative_equals_incremental(pair, tree, ssms, monkeypatch):
+    from specinfer.tree_sizing import Acceptance
+
+    # Every step drafts, even where drafts would not pay on these tiny models (the test is of what
+    # verification accepts; steps without a draft have a test of their own).
+    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self: True)
     llm, drafts = pair["llm"], [pair[s] for s in ssms]
     stats = Stats()
     for prompt in PROMPTS:
@@ -45,6 +50,23 @@ def test_greedy_speculative_equals_incremental(pair, tree, ssms):
     if "close" in ssms and tree != "wide":
         assert stats.mean_tokens_per_step > 2.0  # long paths really were accepted
         assert stats.accepted_draft_tokens > 0
+
+
+def test_greedy_stays_exact_when_drafting_stops_and_starts(pair, monkeypatch):
+    """Where drafts do not pay the SSM skips steps and catches up later: every other step here."""
+    from specinfer.tree_sizing import Acceptance
+
+    turns = iter(range(10**6))
+    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self: next(turns) % 2 == 0)
+    llm, close = pair["llm"], pair["close"]
+    calls = []
+    monkeypatch.setattr(close, "draft_chain", lambda *a, f=close.draft_chain: calls.append(1) or f(*a))
+    for prompt in PROMPTS:
+        stats = Stats()
+        assert tokens(llm, prompt, ssms=[close], stats=stats) == tokens(llm, prompt)
+        assert len(calls) <= (stats.steps + 1) // 2 < stats.steps   # half the steps drafted nothing
+        calls.clear()
+    assert close.sequences() == []
 
 
 def test_edge_cases_stay_exact(pair):

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from specinfer.engines.onnxruntime import OrtRuntime
-from specinfer.tree_sizing import StepCost, TreeSizer, step_cost, step_times
+from specinfer.sampling import SamplingParams
+from specinfer.tree_sizing import Acceptance, StepCost, TreeSizer, acceptance, step_cost, step_times
 
 
 def brute_force_best(llm_seconds, overhead, reach):
@@ -83,3 +84,43 @@ def test_drafting_more_pays_when_the_nodes_are_likely_and_cheap():
     assert sizer.drafting_more_pays(reach, likely, seconds=0.01)
     assert not sizer.drafting_more_pays(reach, unlikely, seconds=0.01)
     assert not sizer.drafting_more_pays(reach, likely, seconds=10.0)   # drafting them costs too much
+
+
+def test_acceptance_rates_candidates_by_what_verification_accepted():
+    """At first a candidate is worth the SSM's word; then what verification did with candidates of
+    its probability band, per rank, and nothing outside the bands seen."""
+    record = Acceptance()
+    assert np.allclose(record([0.3, 0.92, 0.999], 0), [0.3, 0.92, 0.999])
+    rng = np.random.default_rng(0)
+    for _ in range(300):   # chain tokens the SSM gives 0.92 are accepted 46% of the time
+        record.observe([0.92] * 8, [0] * 8, rng.random(8) < 0.46)
+    assert record([0.92], 0)[0] == pytest.approx(0.46, abs=0.05)
+    assert record([0.93], 0)[0] > record([0.91], 0)[0]     # within a band, still the SSM's order
+    assert np.allclose(record([0.3, 0.999], 0), [0.3, 0.999])   # other bands, as the SSM says
+    assert record([0.92], 1)[0] == pytest.approx(0.92)          # the runner-ups' record is their own
+    for _ in range(300):   # later the same tokens are always accepted: old steps are forgotten
+        record.observe([0.92] * 8, [0] * 8, [True] * 8)
+    assert record([0.92], 0)[0] == pytest.approx(1.0, abs=0.03)
+
+
+def test_drafting_stops_where_it_does_not_pay_and_tries_again():
+    record = Acceptance()
+    assert record.drafting_pays()                   # no draft seen yet
+    record.expect(0.5)                              # a draft expected to halve the speed
+    tries = [record.drafting_pays() for _ in range(14)]
+    # Waits of 2, then 4, then 8 steps: each try that still does not pay doubles the wait.
+    assert [i for i, t in enumerate(tries) if t] == [1, 5, 13]
+    for _ in range(5):
+        record.expect(1.4)                          # drafts pay again
+    assert all(record.drafting_pays() for _ in range(5))
+    record.expect(0.1)
+    record.expect(0.1)
+    assert [record.drafting_pays() for _ in range(2)] == [False, True]   # the wait starts short again
+
+
+def test_acceptance_is_kept_per_ssm_and_sampling(exported):
+    rt = OrtRuntime(exported["llama3"])
+    greedy = acceptance(rt, SamplingParams())
+    assert acceptance(rt, SamplingParams(seed=3)) is greedy              # the seed does not matter
+    assert acceptance(rt, SamplingParams(temperature=1.0)) is not greedy
+    assert acceptance(OrtRuntime(exported["llama3"]), SamplingParams()) is not greedy

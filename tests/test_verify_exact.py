@@ -25,7 +25,7 @@ from specinfer.engines.runtime import Runtime
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.speculate import SSMDrafter
 from specinfer.tree import Proposal, TokenTree, merge
-from specinfer.tree_sizing import StepCost, TreeSizer
+from specinfer.tree_sizing import StepCost, TreeSizer, acceptance
 from specinfer.verify import verify_mss
 
 V = 5
@@ -309,19 +309,32 @@ class ContextRuntime(Runtime):
 SIZING_COST = StepCost((1, 4), (1.0, 1.6))
 
 
-def sized_tree(params, ssms=(0, 1)):
+def sized_tree(params, ssms=(0, 1), rated=False):
     """The dynamic tree as SSMDrafter and TreeSizer really make it: each SSM's top-token chain (up
     to depth 3) with each depth's runner-up beside it, the likeliest nodes kept while another
-    would pay for itself, merged."""
+    would pay for itself, merged. ``rated``: after the SSM's acceptance record has seen its chain
+    tokens accepted half as often as it said and its runner-ups always."""
     trees = []
     for ssm in ssms:
-        drafter = SSMDrafter(ContextRuntime(lambda ctx, ssm=ssm: ssm_logits(ssm, ctx)), ssm,
-                             sizer=TreeSizer(SIZING_COST, overhead=0.5))
+        runtime = ContextRuntime(lambda ctx, ssm=ssm: ssm_logits(ssm, ctx))
+        if rated:
+            p = np.linspace(0.02, 0.99, 50)
+            for _ in range(100):
+                acceptance(runtime, params).observe(np.concatenate([p, p]), [0] * 50 + [1] * 50,
+                                                    np.concatenate([np.arange(50) % 2 == 0, np.ones(50, bool)]))
+        drafter = SSMDrafter(runtime, ssm, sizer=TreeSizer(SIZING_COST, overhead=0.5))
         trees.append(drafter.draft(ROOT, [1, 1, 1], params, np.random.default_rng(0), budget=10))
         drafter.release()
-    assert any(0 < max(t.depths) < 3 for t in trees)   # the cost model did cut a chain
-    assert any(pr.rank == 1 for t in trees for ps in t.proposals for pr in ps)   # and kept a runner-up
+    assert any(pr.rank == 1 for t in trees for ps in t.proposals for pr in ps)   # a runner-up was kept
+    if not rated:
+        assert any(0 < max(t.depths) < 3 for t in trees)   # the cost model did cut a chain
     return merge(trees, budget=100)[0]
+
+
+def sized_tree_rated(params):
+    """Rated by a record that favours runner-ups: each still goes in only beside its sibling, the
+    chain token, which verification must meet first (a runner-up alone would be refused)."""
+    return sized_tree(params, rated=True)
 
 
 def test_sized_tree_keeps_the_likeliest_nodes_that_pay():
@@ -342,7 +355,7 @@ def test_sized_tree_keeps_the_likeliest_nodes_that_pay():
     assert max(tree.depths) >= 2     # ContextRuntime drafts a token a call: the drafter went on
 
 
-DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged, sized_tree]
+DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged, sized_tree, sized_tree_rated]
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=str)
