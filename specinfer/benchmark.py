@@ -38,6 +38,7 @@ class BenchConfig:
     seed: int = 0
     min_confidence: float | None = None   # our drafters stop growing a branch where the SSM is less sure
                                           # (None: each tree's default, see speculate.default_min_confidence)
+    lookup: bool = True             # the dynamic tree also drafts by lookup (lookup.py); a lookup-only row too
     progress: bool = True
 
 
@@ -53,7 +54,7 @@ def _row(contender: str, tool: str, tree: str, ssms: str, stats: "Stats | None" 
 
 
 def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, name: str,
-          params, rule: str = "mss") -> tuple["Stats", list[list[int]]]:
+          params, rule: str = "mss", lookup: bool = False) -> tuple["Stats", list[list[int]]]:
     from tqdm import tqdm
 
     from .generate import Stats, generate_ids
@@ -66,7 +67,8 @@ def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequenc
             params = replace(params, seed=cfg.seed + i)
         outputs.append([t for step in generate_ids(llm, prompt, ssms=ssms, tree=tree, params=params,
                                                    max_new_tokens=cfg.max_new_tokens, eos_ids=llm.config.eos_token_ids,
-                                                   stats=stats, rule=rule, min_confidence=min_confidence)
+                                                   stats=stats, rule=rule, min_confidence=min_confidence,
+                                                   lookup=lookup)
                             for t in step])
     return stats, outputs
 
@@ -91,21 +93,25 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     # Warm-up, untimed: a cold process runs its first calls far slower, which would tax whichever
     # contender comes first.
-    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", params)
+    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", params, lookup=cfg.lookup)
     stats, reference = _ours(cfg, llm, [], [1], "ours incremental", params)
     rows.append(_row("ours incremental", "specinfer", "-", "-", stats,
                      identical=None if cfg.sampling else len(cfg.prompts)))
     for tree_name, tree in cfg.trees.items():
+        lookup = cfg.lookup and tree is None
         if cfg.sampling:
             runs = [(f"ours MSS {tree_name}", ssms, "mss"), (f"ours naive {tree_name}", ssms, "naive")]
         else:
             runs = [(f"ours {tree_name} {k}", v, "mss") for k, v in sets.items()]
+        if lookup:
+            runs = [(name + " + lookup", drafts, rule) for name, drafts, rule in runs] + \
+                [(f"ours {tree_name} lookup only", [], "mss")]
         for name, drafts, rule in runs:
-            stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule)
+            stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
             same = sum(o == r for o, r in zip(outputs, reference))
             if not cfg.sampling and same != len(reference):
                 raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
-            rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule,
+            rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule, lookup=lookup,
                              identical=None if cfg.sampling else same))
 
     if cfg.peers and not cfg.sampling:

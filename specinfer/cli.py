@@ -27,6 +27,12 @@ def _add_min_confidence(p: argparse.ArgumentParser) -> None:
                         "one); the output is exact either way")
 
 
+def _add_lookup(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-lookup", action="store_true",
+                   help="the dynamic tree drafts with the SSMs only, not also by lookup in the sequence's own "
+                        "tokens (default: both)")
+
+
 THREADS_HELP = "ONNX Runtime threads, a pool per model (default: one pool of all cores shared by the models)"
 TREE_HELP = ("'dynamic' (sized each step to this machine's verification cost and the SSMs' confidence) "
              "or children per depth, SpecInfer's expansion (e.g. 1,1,3,1,1,1,1,1)")
@@ -79,7 +85,8 @@ def cmd_generate(a) -> None:
     min_confidence = default_min_confidence(tree) if a.min_confidence is None else a.min_confidence
     llm, ssms = _models(a, all_ssms=False)
     pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=tree, budget=a.budget, engine=a.engine,
-                    max_context=a.max_context, threads=a.threads, min_confidence=min_confidence)
+                    max_context=a.max_context, threads=a.threads, min_confidence=min_confidence,
+                    lookup=not (a.no_lookup or a.no_speculation))
     stats = Stats()
     for piece in pipe.stream(a.prompt, a.max_tokens, params, stats):
         sys.stdout.write(piece)
@@ -158,7 +165,8 @@ def cmd_bench(a) -> None:
     tokenizer = load_tokenizer(llm)
     prompts = [tokenizer.encode(p).ids for p in load_prompts(a.prompts, a.num_prompts)]
     report = run_bench(BenchConfig(llm, ssms, prompts, trees, a.max_tokens, a.threads, peers=not a.no_peers,
-                                   sampling=a.sampling, seed=a.seed, min_confidence=a.min_confidence))
+                                   sampling=a.sampling, seed=a.seed, min_confidence=a.min_confidence,
+                                   lookup=not a.no_lookup))
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "bench-sampling" if a.sampling else "bench"
@@ -275,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm", "--model", dest="llm", default=None,
                    help="LLM folder: an export or a checkpoint (default: the embedded LLM, with its SSM 1)")
     p.add_argument("--ssm", action="append", default=[], help="SSM folder (repeat for several)")
-    p.add_argument("--no-speculation", action="store_true", help="incremental decoding, no SSMs")
+    p.add_argument("--no-speculation", action="store_true", help="incremental decoding, no SSMs and no lookup")
+    _add_lookup(p)
     _add_min_confidence(p)
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=int, default=64, help="tree nodes at most, root included")
@@ -352,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", action="store_true", help="temperature 1: multi-step vs naive speculative sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
+    _add_lookup(p)
     _add_min_confidence(p)
     p.add_argument("-o", "--output-dir", default="bench-results", help="where bench.json, .md and .png go")
     p.set_defaults(func=cmd_bench)

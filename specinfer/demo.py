@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
 
     prompts = a.prompt or ["def fibonacci(n):\n"] + embedded_prompts()[:2]
-    runs = {"incremental": Pipeline(embedded_llm()),
+    runs = {"incremental": Pipeline(embedded_llm(), lookup=False),
             "speculative": Pipeline(embedded_llm(), ssms=embedded_ssms()[:1], min_confidence=DEFAULT_MIN_CONFIDENCE)}
     totals = {name: Stats() for name in runs}
     for prompt in prompts:

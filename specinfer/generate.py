@@ -23,10 +23,11 @@ import numpy as np
 
 from .engines.runtime import Runtime
 from .errors import SpecInferError
+from .lookup import LookupDrafter
 from .sampling import SamplingParams
 from .speculate import DYNAMIC_DEPTH, SSMDrafter, check_vocab
 from .tree import TokenTree, merge
-from .tree_sizing import TreeSizer, step_cost
+from .tree_sizing import TreeSizer, acceptance, step_cost
 from .verify import SAMPLING_RULES, verify
 
 SPECINFER_TREE = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's expansion config
@@ -96,12 +97,14 @@ class LocalSpeculator:
 
     def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), tree: Sequence[int] | None = None,
                  params: SamplingParams = SamplingParams(), stats: Stats | None = None, seq_id=None,
-                 rule: str = "mss", min_confidence: float = 0.0):
-        """``tree``: widths per depth (SpecInfer's expansion), or None for the dynamic tree."""
+                 rule: str = "mss", min_confidence: float = 0.0, lookup: bool = False):
+        """``tree``: widths per depth (SpecInfer's expansion), or None for the dynamic tree;
+        ``lookup``: the dynamic tree also drafts by lookup in the sequence (lookup.py)."""
         check_vocab(llm, ssms)
         if rule not in SAMPLING_RULES:
             raise SpecInferError(f"unknown sampling rule {rule!r}: expected one of {', '.join(SAMPLING_RULES)}")
-        self.sizer = TreeSizer(step_cost(llm)) if tree is None and ssms else None
+        lookup = lookup and tree is None
+        self.sizer = TreeSizer(step_cost(llm)) if tree is None and (ssms or lookup) else None
         self.tree = [1] * DYNAMIC_DEPTH if tree is None else list(tree)
         self.llm, self.params, self.rule = llm, params, rule
         self.max_context = llm.max_context
@@ -109,9 +112,12 @@ class LocalSpeculator:
         self.rng = np.random.default_rng(params.seed)
         self.seq = llm.start(seq_id)
         self.drafters: list[SSMDrafter] = []
+        self.lookup: LookupDrafter | None = None
         try:
             self.drafters = [SSMDrafter(rt, i, seq_id=seq_id, min_confidence=min_confidence, sizer=self.sizer)
                              for i, rt in enumerate(ssms)]
+            self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup"), DYNAMIC_DEPTH) \
+                if lookup else None
         except BaseException:
             self.release()
             raise
@@ -122,19 +128,25 @@ class LocalSpeculator:
         if prefix:
             self.llm.prefill(self.seq, prefix)
         t1 = time.perf_counter()
-        for d in self.drafters:
+        for d in self.drafters + ([self.lookup] if self.lookup else []):
             d.prefill(prefix)
         self.stats.llm_seconds += t1 - t0
         self.stats.ssm_seconds += time.perf_counter() - t1
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
         t0 = time.perf_counter()
-        trees = []
+        trees, lead = [], 0.0
+        if self.lookup is not None:   # first, as an SSM need not run where the lookup's draft is better
+            if self.last_path:
+                self.lookup.commit(self.last_path)
+            if budget > 1:
+                trees.append(self.lookup.draft(root, self.tree, self.params, self.rng, budget))
+                lead = self.lookup.speedup
         for d in self.drafters:
             if self.last_path:
                 d.commit(self.last_path)  # the SSMs learn last step's verdict before they draft
             if budget > 1:
-                trees.append(d.draft(root, self.tree, self.params, self.rng, budget))
+                trees.append(d.draft(root, self.tree, self.params, self.rng, budget, lead))
         token_tree = merge(trees, budget)[0] if trees else TokenTree(root)
         t1 = time.perf_counter()
         logits = self.llm.score(self.seq, token_tree.tokens, token_tree.parents)
@@ -153,7 +165,7 @@ class LocalSpeculator:
 
     def release(self) -> None:
         self.llm.release(self.seq)
-        for d in self.drafters:
+        for d in self.drafters + ([self.lookup] if self.lookup else []):
             d.release()
 
 
@@ -219,6 +231,7 @@ def generate_ids(
     stats: Stats | None = None,
     rule: str = "mss",
     min_confidence: float = 0.0,
+    lookup: bool = False,
 ) -> Iterator[list[int]]:
     """Speculative generation in this process: yield the new token ids of each step until EOS
     (included), ``max_new_tokens`` or the context capacity. ``tree``: widths per depth, or None
@@ -226,4 +239,6 @@ def generate_ids(
     LLM's own greedy decoding; sampled output is distributed as the LLM's own sampling (multi-step
     speculative sampling; ``rule="naive"`` samples from the LLM and follows the tree instead)."""
     stats = stats if stats is not None else Stats()
-    return decode(LocalSpeculator(llm, ssms, tree, params, stats, rule=rule, min_confidence=min_confidence), prompt, max_new_tokens, eos_ids, budget, stats)
+    speculator = LocalSpeculator(llm, ssms, tree, params, stats, rule=rule, min_confidence=min_confidence,
+                                 lookup=lookup)
+    return decode(speculator, prompt, max_new_tokens, eos_ids, budget, stats)

@@ -125,13 +125,15 @@ class SSMDrafter:
         self.runtime.release(self.seq)
 
     def draft(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
-              budget: int) -> TokenTree:
+              budget: int, lead: float = 0.0) -> TokenTree:
         """Grow a tree from ``root``: depth d gives each frontier node ``widths[d-1]`` children
         (greedy: the SSM's top tokens; sampling: distinct draws from its shaped distribution).
 
         The first Runtime call scores ``self.catch_up + [root]``, each later depth one more call.
         The tree has at most ``budget`` nodes (root included) and never outgrows the runtime's
-        capacity: it shrinks rather than fails. Proposals carry this SSM's ``index``.
+        capacity: it shrinks rather than fails. Proposals carry this SSM's ``index``. ``lead``
+        (dynamic tree): the expected speedup of the step's drafts that cost no model call; the
+        SSM drafts only if its own drafts have been expected to do better.
         """
         if self._tree is not None:
             raise SpecInferError("draft called twice without a commit in between")
@@ -143,7 +145,7 @@ class SSMDrafter:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
         if self.sizer is not None:
             self._acceptance = acceptance(self.runtime, params)
-            if not self._acceptance.drafting_pays():
+            if not self._acceptance.drafting_pays(lead):
                 return tree   # drafts do not pay here: no call now, the tokens wait as catch-up
         if self.sizer is not None or (params.greedy and all(w == 1 for w in widths)):
             return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1), budget)
@@ -259,20 +261,6 @@ class SSMDrafter:
         """Whether the draft awaiting commit called the SSM (else it is the root alone, at no cost)."""
         return self._tree is not None and 0 in self._slot
 
-    def _learn(self, tree: TokenTree, path_tokens: list[int]) -> None:
-        """Tell the acceptance record which candidates verification accepted, of those it reached."""
-        accepted, node = {0}, 0
-        for token in path_tokens[1:]:
-            node = tree.child(node, token)
-            if node is None:
-                break
-            accepted.add(node)
-        reached = [(node, rank, p) for node, rank, p in self._proposed if tree.parents[node] in accepted]
-        self._proposed = []
-        if reached:
-            nodes, ranks, probability = zip(*reached)
-            self._acceptance.observe(probability, ranks, [n in accepted for n in nodes])
-
     def commit(self, path_tokens: Sequence[int]) -> None:
         """Keep what verification accepted: ``path_tokens`` is the accepted path's tokens, root first,
         without the bonus. The SSM commits catch-up + root + the part of the path it scored; the rest
@@ -282,7 +270,8 @@ class SSMDrafter:
             raise SpecInferError(f"accepted path {path_tokens} does not start at the draft's root {tree.tokens[0]}")
         self._tree = None
         if tree is not None and self._proposed:
-            self._learn(tree, path_tokens)
+            self._acceptance.learn(tree, self._proposed, path_tokens)
+        self._proposed = []
         if tree is None or 0 not in self._slot:
             # No draft this step (the caller skipped it) or no room to score one: this SSM has seen
             # none of these tokens, so they all wait as catch-up.

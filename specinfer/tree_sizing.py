@@ -32,6 +32,7 @@ import numpy as np
 
 from .engines.runtime import Runtime
 from .sampling import SamplingParams
+from .tree import TokenTree
 
 COST_CONTEXT = 256                          # cached tokens the cost is measured over
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)     # tree tokens measured; larger trees extrapolate
@@ -163,10 +164,12 @@ class TreeSizer:
         longer = np.sort(np.concatenate([reach, more]))[::-1]
         return bool(self.tokens_per_second(longer, seconds).max() > self.tokens_per_second(reach).max())
 
-    def speedup(self, reach: Sequence[float]) -> float:
+    def speedup(self, reach: Sequence[float], free: bool = False) -> float:
         """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
-        included, against a step that drafts nothing (one LLM token, no SSM)."""
-        return float(self.tokens_per_second(reach).max() * self.llm_seconds(1))
+        included (``free``: nodes drafted at no cost, no overhead), against a step that drafts
+        nothing (one LLM token, no SSM)."""
+        rate = self.tokens_per_second(reach, -self.overhead if free else 0.0).max()
+        return float(rate * self.llm_seconds(1))
 
     def best_count(self, reach: Sequence[float]) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
@@ -221,15 +224,32 @@ class Acceptance:
         np.add.at(self._accepted, index, np.asarray(accepted, dtype=float))
         np.add.at(self._expected, index, p)
 
+    def learn(self, tree: "TokenTree", proposed: Sequence[tuple[int, int, float]], path_tokens: Sequence[int]) -> None:
+        """One verified step of a drafter's tree: ``proposed`` its candidates as (tree node, rank,
+        probability), ``path_tokens`` the accepted path's tokens, root first."""
+        accepted, node = {0}, 0
+        for token in path_tokens[1:]:
+            node = tree.child(node, int(token))
+            if node is None:
+                break
+            accepted.add(node)
+        reached = [(n, rank, p) for n, rank, p in proposed if tree.parents[n] in accepted]
+        if reached:
+            nodes, ranks, probability = zip(*reached)
+            self.observe(probability, ranks, [n in accepted for n in nodes])
+
     def expect(self, speedup: float) -> None:
         """A draft's expected speedup over not drafting (:meth:`TreeSizer.speedup`)."""
         self.gain = speedup if self.gain is None else self.gain + self.GAIN_WEIGHT * (speedup - self.gain)
         if self.gain >= 1.0:
             self._wait = self.RETRY[0]
 
-    def drafting_pays(self) -> bool:
+    def drafting_pays(self, lead: float = 0.0) -> bool:
         """Whether to draft this step: yes while drafts are expected to pay, else now and then to
-        see whether they do again (the wait doubles each time they still do not)."""
+        see whether they do again (the wait doubles each time they still do not); not while
+        ``lead``, the speedup the step's free drafts already give, is higher."""
+        if self.gain is not None and self.gain < lead:
+            return False
         if self.gain is None or self.gain >= 1.0:
             return True
         self._waited += 1
@@ -242,11 +262,13 @@ class Acceptance:
 _acceptance: "weakref.WeakKeyDictionary[Runtime, dict[tuple, Acceptance]]" = weakref.WeakKeyDictionary()
 
 
-def acceptance(ssm: Runtime, params: SamplingParams) -> Acceptance:
-    """The SSM's acceptance record under this sampling (greedy and each temperature / top-k / top-p
-    accept differently), kept as long as the runtime lives and shared by its sequences."""
-    by_params = _acceptance.setdefault(ssm, {})
-    key = (0.0,) if params.greedy else (params.temperature, params.top_k, params.top_p)
+def acceptance(model: Runtime, params: SamplingParams, drafter: str = "ssm") -> Acceptance:
+    """A drafter's acceptance record under this sampling (greedy and each temperature / top-k /
+    top-p accept differently), kept as long as the model's runtime lives and shared by its
+    sequences: an SSM's (``drafter="ssm"``, ``model`` the SSM) or the lookup drafter's for an LLM
+    (``drafter="lookup"``, ``model`` the LLM)."""
+    by_params = _acceptance.setdefault(model, {})
+    key = (drafter,) + ((0.0,) if params.greedy else (params.temperature, params.top_k, params.top_p))
     if key not in by_params:
         by_params[key] = Acceptance()
     return by_params[key]

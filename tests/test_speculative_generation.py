@@ -39,7 +39,7 @@ def test_greedy_speculative_equals_incremental(pair, tree, ssms, monkeypatch):
 
     # Every step drafts, even where drafts would not pay on these tiny models (the test is of what
     # verification accepts; steps without a draft have a test of their own).
-    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self: True)
+    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self, lead=0.0: True)
     llm, drafts = pair["llm"], [pair[s] for s in ssms]
     stats = Stats()
     for prompt in PROMPTS:
@@ -57,7 +57,7 @@ def test_greedy_stays_exact_when_drafting_stops_and_starts(pair, monkeypatch):
     from specinfer.tree_sizing import Acceptance
 
     turns = iter(range(10**6))
-    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self: next(turns) % 2 == 0)
+    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self, lead=0.0: next(turns) % 2 == 0)
     llm, close = pair["llm"], pair["close"]
     calls = []
     monkeypatch.setattr(close, "draft_chain", lambda *a, f=close.draft_chain: calls.append(1) or f(*a))
@@ -67,6 +67,18 @@ def test_greedy_stays_exact_when_drafting_stops_and_starts(pair, monkeypatch):
         assert len(calls) <= (stats.steps + 1) // 2 < stats.steps   # half the steps drafted nothing
         calls.clear()
     assert close.sequences() == []
+
+
+@pytest.mark.parametrize("ssms", [[], ["close"]])
+def test_greedy_with_lookup_equals_incremental(pair, ssms):
+    """The dynamic tree drafting by lookup too (or only): token for token incremental decoding, and
+    copies were accepted (random models repeat themselves)."""
+    llm, drafts = pair["llm"], [pair[s] for s in ssms]
+    stats = Stats()
+    for prompt in PROMPTS + [[1] + [40, 41, 42, 43] * 5]:
+        assert tokens(llm, prompt, ssms=drafts, lookup=True, stats=stats) == tokens(llm, prompt)
+    assert stats.accepted_draft_tokens > 0
+    assert all(rt.sequences() == [] for rt in [llm] + drafts)
 
 
 def test_edge_cases_stay_exact(pair):
@@ -112,20 +124,20 @@ def tiny_vocab(tmp_path_factory):
     return mk("llm", 1), mk("ssm_a", 2), mk("ssm_b", 3)
 
 
-def first_two_counts(llm, ssms, tree, params, trials=TRIALS):
+def first_two_counts(llm, ssms, tree, params, trials=TRIALS, prompt=(3, 1, 4), lookup=False):
     counts = np.zeros((V, V))
     for seed in range(trials):
-        out = tokens(llm, [3, 1, 4], n=2, eos=None, ssms=ssms, tree=tree,
+        out = tokens(llm, list(prompt), n=2, eos=None, ssms=ssms, tree=tree, lookup=lookup,
                      params=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed))
         counts[out[0], out[1]] += 1
     return counts
 
 
-def exact_first_two(llm, params):
-    seq = llm.start()
-    p1 = probabilities(llm.score(seq, [3, 1, 4])[-1], params)
+def exact_first_two(llm, params, prompt=(3, 1, 4)):
+    seq, prompt = llm.start(), list(prompt)
+    p1 = probabilities(llm.score(seq, prompt)[-1], params)
     llm.commit(seq, [])
-    p2 = np.stack([probabilities(llm.score(seq, [3, 1, 4, x])[-1], params) for x in range(V) if llm.commit(seq, []) is None])
+    p2 = np.stack([probabilities(llm.score(seq, prompt + [x])[-1], params) for x in range(V) if llm.commit(seq, []) is None])
     llm.release(seq)
     return p1[:, None] * p2
 
@@ -138,13 +150,16 @@ def chi_square_p(counts, expected_probs):
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-@pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs", "dynamic tree, two SSMs"])
+@pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs", "dynamic tree, two SSMs", "dynamic tree, SSM and lookup"])
 def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
     llm, a, b = tiny_vocab
-    ssms = [a] if setup == "one SSM" else [a, b]
+    ssms = [a] if setup in ("one SSM", "dynamic tree, SSM and lookup") else [a, b]
+    lookup = setup.endswith("lookup")
+    prompt = (4, 1, 3, 4) if lookup else (3, 1, 4)   # the lookup copies "1 3 4" after the root 4
     params = SamplingParams(temperature=1.0)
-    counts = first_two_counts(llm, ssms, None if setup.startswith("dynamic") else [3, 2], params)
-    p = chi_square_p(counts, exact_first_two(llm, params))
+    counts = first_two_counts(llm, ssms, None if setup.startswith("dynamic") else [3, 2], params, prompt=prompt,
+                              lookup=lookup)
+    p = chi_square_p(counts, exact_first_two(llm, params, prompt))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
 
 

@@ -118,6 +118,14 @@ def test_drafting_stops_where_it_does_not_pay_and_tries_again():
     assert [record.drafting_pays() for _ in range(2)] == [False, True]   # the wait starts short again
 
 
+def test_an_ssm_gives_way_to_a_better_free_draft():
+    record = Acceptance()
+    record.expect(1.3)
+    assert record.drafting_pays(lead=1.2)
+    assert not record.drafting_pays(lead=1.5)      # the lookup's draft is expected to do better alone
+    assert record.drafting_pays()                  # and the next step it has no lead: no wait
+
+
 def test_acceptance_is_kept_per_ssm_and_sampling(exported):
     rt = OrtRuntime(exported["llama3"])
     greedy = acceptance(rt, SamplingParams())

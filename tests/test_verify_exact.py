@@ -10,7 +10,7 @@ reading exactly that many uniforms. Then the enumerated law is verify_mss's own.
 (accepted path, then bonus) extended by LLM sampling to a fixed length must have the LLM's joint
 law, to 1e-9: the first token follows p_root, the first two p_root(x1) p_x1(x2), and so on. A tree
 drawn by a sampling SSM is enumerated too: every draw without replacement, with its probability.
-The dynamic tree is drafted by the real SSMDrafter and TreeSizer on these models.
+The dynamic tree is drafted by the real SSMDrafter, LookupDrafter and TreeSizer on these models.
 """
 import itertools
 from collections import defaultdict
@@ -25,7 +25,8 @@ from specinfer.engines.runtime import Runtime
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.speculate import SSMDrafter
 from specinfer.tree import Proposal, TokenTree, merge
-from specinfer.tree_sizing import StepCost, TreeSizer, acceptance
+from specinfer.lookup import LookupDrafter
+from specinfer.tree_sizing import Acceptance, StepCost, TreeSizer, acceptance
 from specinfer.verify import verify_mss
 
 V = 5
@@ -355,7 +356,18 @@ def test_sized_tree_keeps_the_likeliest_nodes_that_pay():
     assert max(tree.depths) >= 2     # ContextRuntime drafts a token a call: the drafter went on
 
 
-DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged, sized_tree, sized_tree_rated]
+def lookup_and_ssm_merged(params):
+    """A lookup chain copied from the sequence ("1 2 root" occurred before, followed by 3 1 2),
+    sized by the real LookupDrafter, merged with an SSM's sized tree: two proposers' point masses."""
+    lookup = LookupDrafter(2, TreeSizer(SIZING_COST, overhead=0.5), Acceptance(), depth=3)
+    lookup.prefill([1, 2, ROOT, 3, 1, 2])
+    tree = lookup.draft(ROOT, [1, 1, 1], params, None, budget=10)
+    assert tree.tokens[1:] == [3, 1, 2]
+    return merge([tree, sized_tree(params, ssms=(0,))], budget=100)[0]
+
+
+DETERMINISTIC = [chain, specinfer_like, wide_then_narrow, dynamic, two_ssms_merged, sized_tree, sized_tree_rated,
+                 lookup_and_ssm_merged]
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=str)
