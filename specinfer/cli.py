@@ -215,7 +215,8 @@ def cmd_boost_tune(a) -> None:
 def cmd_repo(a) -> None:
     from .repo import write_repository
 
-    repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads)
+    repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads,
+                            lookup=not a.no_lookup)
     print(f"wrote {repo} (models: {', '.join(sorted(p.name for p in repo.iterdir() if p.is_dir()))})")
 
 
@@ -332,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help=THREADS_HELP + " (0: the shared pool)")
+    _add_lookup(p)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_repo)
 

@@ -65,10 +65,12 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) 
 
 
 def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC,
-                     engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0) -> Path:
+                     engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
+                     lookup: bool = True) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
     or widths; a request may ask for another). ``engines``: a folder of TensorRT engines
-    (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime."""
+    (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime.
+    ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs)."""
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
@@ -84,7 +86,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if engines is not None:
         engine, engines = "tensorrt", Path(engines).resolve()
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
-    cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ssm_dirs else None
+    cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ssm_dirs or lookup else None
+    lookup = lookup and cost is not None
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -97,14 +100,16 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     _model("preprocessing", "preprocessing", out, tokenizer_dir=tokenizer_dir)
     _model("postprocessing", "postprocessing", out, tokenizer_dir=tokenizer_dir)
     _model("llm", "llm", out, model_dir=llm_dir, **common)
-    for i, d in enumerate(ssm_dirs):
-        _model("ssm", f"ssm_{i}", out, name=f"ssm_{i}", model_dir=d, index=i, tree=tree, step_cost=cost_file,
-               **common)
-    n = len(ssm_dirs)
+    drafters = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
+    for i, name in enumerate(drafters):
+        _model("ssm", name, out, name=name, drafter="lookup" if name == "lookup" else "ssm",
+               model_dir=ssm_dirs[i] if i < len(ssm_dirs) else "", index=i, tree=tree, step_cost=cost_file,
+               vocab_size=vocab, **common)
+    n = len(drafters)
     ssm_inputs = "".join(f',\n  {{ name: "{f}_{i}" data_type: {t} dims: [ {d} ] }}' for i in range(n) for f, t, d in TREE_FIELDS)
     _model("tree_builder", "tree_builder", out, ssm_inputs=ssm_inputs, num_ssms=n, vocab_size=vocab)
     ssm_steps = "".join(
-        f'\n    {{\n      model_name: "ssm_{i}"\n      model_version: -1\n'
+        f'\n    {{\n      model_name: "{drafters[i]}"\n      model_version: -1\n'
         + "".join(f'      input_map {{ key: "{k}" value: "{k}" }}\n' for k in SSM_INPUTS)
         + "".join(f'      output_map {{ key: "{f}" value: "{f}_{i}" }}\n' for f, _, _ in TREE_FIELDS)
         + "    },"
@@ -114,9 +119,10 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     for name, mode, decoupled in ORCHESTRATORS:
         _model("specinfer", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
-               **common)
+               lookup=int(lookup), **common)
     for name, orchestrator in ENSEMBLES:
         _model("ensemble", name, out, name=name, orchestrator=orchestrator)
     (out / "specinfer_repository.json").write_text(json.dumps(
-        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine}, indent=2))
+        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine, "lookup": lookup},
+        indent=2))
     return out

@@ -6,7 +6,8 @@ tested without a server. Request tensors use the names Triton's LLM clients alre
 ``end_id``, ``stop_words``, ``exclude_input_in_output``) plus ours (``tree``).
 
 Models and their state: ``ssm_<i>`` (:class:`DraftModel`) and ``llm`` (:class:`VerifyModel`) keep
-one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes; ``tree_builder``
+one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes, and ``lookup``
+(:class:`LookupModel`, drafting by lookup) each request's tokens; ``tree_builder``
 (:func:`build_tree`) and the pre/post-processing are stateless. The orchestrator runs
 :func:`specinfer.generate.decode` over a :class:`RemoteSpeculator` whose step is one call of the
 ``spec_step`` ensemble.
@@ -23,11 +24,12 @@ import numpy as np
 from .engines.runtime import Runtime
 from .errors import SpecInferError
 from .generate import DEFAULT_BUDGET, Stats, check_request, decode
+from .lookup import LookupDrafter
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
 from .text import TextStream, decode_piece
 from .tree import Proposal, TokenTree, merge
-from .tree_sizing import StepCost, TreeSizer
+from .tree_sizing import StepCost, TreeSizer, acceptance
 from .verify import verify
 
 Tensors = dict[str, np.ndarray]
@@ -238,11 +240,16 @@ class DraftModel:
     def __init__(self, runtime: Runtime, index: int, tree: str = DYNAMIC, step_cost: StepCost | None = None):
         parse_tree(tree)
         self.runtime, self.index, self.default_tree = runtime, index, tree
+        self.vocab_size = runtime.vocab_size
         self.sizer = TreeSizer(step_cost) if step_cost is not None else None
         self.sequences = _Sequences()
 
+    def _drafter(self, seq_id, params: SamplingParams):
+        """A new sequence's drafter."""
+        return SSMDrafter(self.runtime, self.index, seq_id=seq_id)
+
     def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
-        drafter = SSMDrafter(self.runtime, self.index, seq_id=seq_id)
+        drafter = self._drafter(seq_id, params)
         try:
             drafter.prefill(prefix)
         except BaseException:
@@ -269,7 +276,7 @@ class DraftModel:
             else TokenTree(root)
         if drafter.sizer is not None and drafter.drafted:
             drafter.sizer.observe(time.perf_counter() - start)
-        return tree_to_tensors(draft, self.runtime.vocab_size)
+        return tree_to_tensors(draft, self.vocab_size)
 
     def handle(self, t: Tensors) -> Tensors:
         """One request of the ``ssm_<i>`` model: op start (prefill), step (commit + draft) or release."""
@@ -282,7 +289,7 @@ class DraftModel:
             tree = _tree_spec(t) if t.get("tree") is not None else None
             return self.step(seq, _ids(t, "tokens"), _scalar(t, "root", "i", None), sampling_from(t),
                              _scalar(t, "budget", "i", DEFAULT_BUDGET), tree)
-        return tree_to_tensors(TokenTree(0), self.runtime.vocab_size)
+        return tree_to_tensors(TokenTree(0), self.vocab_size)
 
     def release(self, seq_id) -> bool:
         item = self.sequences.pop(seq_id)
@@ -292,6 +299,35 @@ class DraftModel:
 
     def kv_bytes(self) -> int:
         return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
+
+
+class LookupModel(DraftModel):
+    """``lookup``: drafts by lookup in each sequence's own tokens (lookup.py) for the dynamic tree, a
+    draft model beside the ``ssm_<i>`` ones with no model to run. A step with a fixed tree drafts
+    nothing here (the lookup still learns the accepted tokens)."""
+
+    def __init__(self, index: int, vocab_size: int, step_cost: StepCost | None, tree: str = DYNAMIC):
+        if step_cost is None:
+            raise SpecInferError("the lookup drafter sizes its drafts with the LLM's verification cost table, "
+                                 "which this repository lacks")
+        parse_tree(tree)
+        self.runtime, self.index, self.default_tree, self.vocab_size = None, index, tree, vocab_size
+        self.sizer, self.sequences = TreeSizer(step_cost), _Sequences()
+
+    def _drafter(self, seq_id, params: SamplingParams) -> LookupDrafter:
+        return LookupDrafter(self.index, self.sizer, acceptance(self, params, "lookup"), DYNAMIC_DEPTH)
+
+    def step(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
+             tree: str | None = None) -> Tensors:
+        drafter, rng = self.sequences.get(seq_id)
+        if accepted:
+            drafter.commit(accepted)
+        dynamic = parse_tree(tree or self.default_tree) is None
+        draft = drafter.draft(root, [], params, rng, budget) if dynamic and budget > 1 else TokenTree(root)
+        return tree_to_tensors(draft, self.vocab_size)
+
+    def kv_bytes(self) -> int:
+        return 0
 
 
 class VerifyModel:

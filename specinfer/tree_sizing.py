@@ -259,15 +259,15 @@ class Acceptance:
         return True
 
 
-_acceptance: "weakref.WeakKeyDictionary[Runtime, dict[tuple, Acceptance]]" = weakref.WeakKeyDictionary()
+_acceptance: "weakref.WeakKeyDictionary[object, dict[tuple, Acceptance]]" = weakref.WeakKeyDictionary()
 
 
-def acceptance(model: Runtime, params: SamplingParams, drafter: str = "ssm") -> Acceptance:
+def acceptance(owner: object, params: SamplingParams, drafter: str = "ssm") -> Acceptance:
     """A drafter's acceptance record under this sampling (greedy and each temperature / top-k /
-    top-p accept differently), kept as long as the model's runtime lives and shared by its
-    sequences: an SSM's (``drafter="ssm"``, ``model`` the SSM) or the lookup drafter's for an LLM
-    (``drafter="lookup"``, ``model`` the LLM)."""
-    by_params = _acceptance.setdefault(model, {})
+    top-p accept differently), kept as long as its owner lives and shared by its sequences: an
+    SSM's (``drafter="ssm"``, ``owner`` the SSM's Runtime) or the lookup drafter's (``"lookup"``,
+    ``owner`` the LLM's Runtime, or the served lookup model)."""
+    by_params = _acceptance.setdefault(owner, {})
     key = (drafter,) + ((0.0,) if params.greedy else (params.temperature, params.top_k, params.top_p))
     if key not in by_params:
         by_params[key] = Acceptance()

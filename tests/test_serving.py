@@ -9,11 +9,11 @@ from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import SpecInferError
 from specinfer.generate import Stats, generate_ids
 from specinfer.sampling import SamplingParams
-from specinfer.serving import (DraftModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree, postprocess,
+from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree, postprocess,
                                preprocess, read_request, tensors_to_tree, tree_to_tensors)
 from specinfer.text import TextStream, decode_piece, load_tokenizer
 from specinfer.tree import Proposal, TokenTree
-from specinfer.tree_sizing import step_cost
+from specinfer.tree_sizing import acceptance, step_cost
 
 TREE = [1, 1, 3, 1, 1, 1]
 
@@ -95,12 +95,15 @@ def models(served_pair):
 
 
 def local_call(verify_model, draft_models):
-    """What Triton does for each model name: spec_step wires ssm_<i> -> tree_builder -> llm."""
+    """What Triton does for each model name: spec_step wires ssm_<i> (and lookup, the last draft
+    model when there is one) -> tree_builder -> llm."""
     def call(name, inputs):
         if name == "llm":
             return verify_model.handle(inputs)
         if name.startswith("ssm_"):
             return draft_models[int(name[4:])].handle(inputs)
+        if name == "lookup":
+            return draft_models[-1].handle(inputs)
         trees = [m.handle(inputs) for m in draft_models]
         merged = build_tree(int(inputs["root"][0]), trees, int(inputs["budget"][0]), verify_model.runtime.vocab_size)
         return verify_model.handle(inputs | merged)
@@ -111,7 +114,9 @@ def orchestrator(models, cancel_after=None):
     llm, _, verify_model, draft_models = models
     tok = load_tokenizer(llm.dir)
     counter = iter(range(10**6))
-    make = lambda req, stats: RemoteSpeculator(local_call(verify_model, draft_models), [f"ssm_{i}" for i in range(len(draft_models))],
+    names = [f"ssm_{i}" if isinstance(m, DraftModel) and not isinstance(m, LookupModel) else "lookup"
+             for i, m in enumerate(draft_models)]
+    make = lambda req, stats: RemoteSpeculator(local_call(verify_model, draft_models), names,
                                                f"seq-{next(counter)}-{threading.get_ident()}", llm.max_context,
                                                req.params, req.tree, stats)
     return Orchestrator(tok, llm.max_context, list(llm.config.eos_token_ids), make), tok
@@ -122,8 +127,17 @@ def request(tok, text, **extra):
             "max_tokens": np.array([40], np.int32)} | extra
 
 
-@pytest.mark.parametrize("stream,tree", [(False, None), (True, None), (False, "dynamic"), (True, "2,1")])
-def test_orchestration_equals_in_process_greedy(models, stream, tree):
+@pytest.fixture(scope="module")
+def models_with_lookup(models):
+    llm, ssms, verify_model, draft_models = models
+    return llm, ssms, verify_model, draft_models + [LookupModel(len(ssms), llm.vocab_size, step_cost(llm),
+                                                                 ",".join(map(str, TREE)))]
+
+
+@pytest.mark.parametrize("stream,tree,lookup", [(False, None, False), (True, None, False), (False, "dynamic", False),
+                                               (True, "2,1", False), (False, "dynamic", True), (True, "2,1", True)])
+def test_orchestration_equals_in_process_greedy(models, models_with_lookup, stream, tree, lookup):
+    models = models_with_lookup if lookup else models
     llm, ssms, verify_model, draft_models = models
     orch, tok = orchestrator(models)
     extra = {} if tree is None else {"tree": np.array([tree.encode()], object)}
@@ -139,6 +153,8 @@ def test_orchestration_equals_in_process_greedy(models, stream, tree):
         assert sum(steps) == len(want)
     assert len(verify_model.sequences) == 0 and all(len(m.sequences) == 0 for m in draft_models)
     assert llm.sequences() == [] and all(rt.sequences() == [] for rt in ssms)
+    if lookup and tree == "dynamic":   # the lookup model drafted, and learnt what was accepted
+        assert acceptance(draft_models[-1], SamplingParams(), "lookup")._expected.sum() > 0
 
 
 def test_dynamic_tree_needs_a_cost_table(served_pair):

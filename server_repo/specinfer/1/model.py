@@ -35,17 +35,18 @@ class TritonPythonModel:
         p = glue.parameters(args)
         self.decoupled = glue.is_decoupled(pb, args)
         tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
+        lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
         if p["mode"] == "fused":
             threads = int(p["threads"]) or None
             llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
             max_context, eos_ids = llm.max_context, list(llm.config.eos_token_ids)
             make = lambda req, stats: LocalSpeculator(llm, ssms, parse_tree(req.tree or tree), req.params, stats,
-                                                      seq_id=uuid.uuid4().hex)
+                                                      seq_id=uuid.uuid4().hex, lookup=lookup)
         else:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
             max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
-            names = [f"ssm_{i}" for i in range(len(ssm_dirs))]
+            names = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
             call = lambda model, inputs: glue.bls(pb, model, inputs)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
                                                        req.tree or tree, stats)

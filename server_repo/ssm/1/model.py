@@ -1,4 +1,5 @@
-"""ssm_<i>: one speculative model; per sequence: prefill, then each step commit + draft a tree."""
+"""ssm_<i>: one speculative model; per sequence: prefill, then each step commit + draft a tree.
+The same with parameter drafter "lookup": the ``lookup`` draft model, which runs no model."""
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ import triton_python_backend_utils as pb  # noqa: E402
 
 from specinfer import triton_glue as glue  # noqa: E402
 from specinfer.engines.loader import load_runtime  # noqa: E402
-from specinfer.serving import DraftModel  # noqa: E402
+from specinfer.serving import DraftModel, LookupModel  # noqa: E402
 from specinfer.tree_sizing import StepCost  # noqa: E402
 
 INPUTS = ["op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed"]
@@ -21,9 +22,12 @@ INPUTS = ["op", "sequence_id", "tokens", "root", "budget", "tree", "temperature"
 class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
-        runtime = load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None)
         cost = StepCost.from_dict(json.loads(Path(p["step_cost"]).read_text())) if p.get("step_cost") else None
-        self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost)
+        if p.get("drafter") == "lookup":
+            self.model = LookupModel(int(p["index"]), int(p["vocab_size"]), cost, p["tree"])
+        else:
+            runtime = load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None)
+            self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost)
         self.metrics = glue.Metrics(pb, args["model_name"])
 
     def execute(self, requests):
