@@ -93,6 +93,17 @@ def test_http_generate_and_stream_equal_in_process(triton_server, expected, mode
         assert not any("error" in e for e in events)
 
 
+@pytest.mark.parametrize("model", ["ensemble", "ensemble_fused"])
+def test_dynamic_tree_with_lookup_equals_in_process(triton_server, expected, model):
+    """The dynamic tree, drafted by the SSMs and by the `lookup` draft model (or, fused, in process)."""
+    status, text = post(triton_server, "/v2/repository/index", {})
+    assert status == 200 and "lookup" in {m["name"] for m in json.loads(text)}
+    for prompt in PROMPTS[:4]:
+        status, body = generate(triton_server, model, text_input=prompt, tree="dynamic")
+        assert status == 200, body
+        assert body["text_output"] == expected[prompt]
+
+
 def test_http_and_grpc_infer_equal_in_process(triton_server, expected):
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
