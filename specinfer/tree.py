@@ -95,9 +95,13 @@ def merge(trees: Sequence[TokenTree], budget: int) -> tuple[TokenTree, list[dict
         raise SpecInferError(f"trees to merge have different roots: {[t.tokens[0] for t in trees]}")
     merged = TokenTree(root)
     to_merged = [{0: 0} for _ in trees]          # per tree: its node -> merged node
-    # A node whose earlier sibling (same tree) was cut is cut too, even when it could be shared
-    # for free: verification conditions each draw on that SSM's earlier draws at the same parent,
-    # so those must all be in the tree (see verify.py).
+    # Whether a node is kept must never depend on its own token: verification takes an SSM's kept
+    # draws at a parent as its first draws there, each distributed as that SSM's q. So once the
+    # tree is full every later node is cut, even one that would share an existing node for free
+    # (keeping it would keep a draw because of its value, which skews the output: see
+    # tests/test_verify_exact.py, sampled trees merged under a budget). And a node whose earlier
+    # sibling (same tree) was cut is cut too: each draw is conditioned on that SSM's earlier draws
+    # at the same parent, so those must all be in the tree (see verify.py).
     cut_under: list[set[int]] = [set() for _ in trees]
     order = sorted((t.depths[n], i, n) for i, t in enumerate(trees) for n in range(1, len(t)))
     for _, i, node in order:
@@ -106,7 +110,7 @@ def merge(trees: Sequence[TokenTree], budget: int) -> tuple[TokenTree, list[dict
             cut_under[i].add(parent)
             continue
         m_parent = to_merged[i][parent]
-        if merged.child(m_parent, tree.tokens[node]) is None and len(merged) >= budget:
+        if len(merged) >= budget:
             cut_under[i].add(parent)
             continue
         m = merged.add(m_parent, tree.tokens[node])

@@ -428,6 +428,36 @@ def test_sampled_and_mixed_trees_are_exact(make, params):
     assert agrees and gap < TOL, gap
 
 
+def sampled_merged(widths, ssms, budget):
+    """Several SSMs drafting by sampling, merged under a node budget: every combination of their
+    draws, with its probability. A budget that binds must not keep a draw for its value (a draw
+    that happens to equal a token already in the tree would cost no node)."""
+    def trees(params):
+        out = []
+        for combo in itertools.product(*(list(sampled_edges(s, widths, params)) for s in ssms)):
+            out.append((float(np.prod([w for w, _ in combo])), merge([build(e) for _, e in combo], budget)[0]))
+        return out
+    trees.__name__ = f"ssms{len(ssms)}_widths{''.join(map(str, widths))}_budget{budget}"
+    return trees
+
+
+MERGED_SAMPLED = [  # (make, params): budgets that bind and that do not, 1-3 SSMs, chains and widths
+    (sampled_merged([1], (0, 1), 2), PARAMS[0]), (sampled_merged([1], (0, 1), 2), PARAMS[2]),
+    (sampled_merged([1], (0, 1, 2), 2), PARAMS[1]), (sampled_merged([1], (0, 1, 2), 3), PARAMS[0]),
+    (sampled_merged([2], (0, 1), 3), PARAMS[1]), (sampled_merged([2], (0, 1), 100), PARAMS[1]),
+    (sampled_merged([2], (0, 1, 2), 4), PARAMS[1]), (sampled_merged([1, 1], (0, 1), 3), PARAMS[3]),
+    (sampled_merged([1, 1], (0, 1, 2), 4), PARAMS[1]), (sampled_merged([2, 1], (0,), 3), PARAMS[1]),
+]
+
+
+@pytest.mark.parametrize("make,params", MERGED_SAMPLED, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_sampled_trees_merged_under_a_budget_are_exact(make, params):
+    trees = make(params)
+    assert abs(sum(w for w, _ in trees) - 1.0) < TOL
+    gap, agrees = check_exact(trees, params)
+    assert agrees and gap < TOL, gap
+
+
 # --- negative controls: the harness does fail wrong rules ------------------------------------------
 # A wrong rule put into verify_mss disagrees with the right enumeration, and vice versa; with the
 # wrong rule in both, they agree at every probe (the enumeration is verify_mss's law) and that law
