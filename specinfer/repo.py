@@ -21,7 +21,8 @@ from .tree_sizing import StepCost
 
 TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
                ("proposal_node", "TYPE_INT32", "-1"), ("proposal_ssm", "TYPE_INT32", "-1"),
-               ("proposal_rank", "TYPE_INT32", "-1"), ("proposal_q", "TYPE_FP32", "-1, -1"))
+               ("proposal_rank", "TYPE_INT32", "-1"), ("proposal_q_row", "TYPE_INT32", "-1"),
+               ("proposal_q", "TYPE_FP32", "-1, -1"))
 SSM_INPUTS = ("op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed")
 # (name, orchestrator mode, decoupled): the decoupled pair streams and answers /generate; the
 # "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled models.

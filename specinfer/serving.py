@@ -142,18 +142,23 @@ def postprocess(tokenizer, inputs: Tensors) -> Tensors:
 
 # --- trees as tensors ----------------------------------------------------------------------------
 def tree_to_tensors(tree: TokenTree, vocab_size: int) -> Tensors:
-    """A tree as flat arrays: per node token and parent, and per proposal (node, ssm, rank, q)."""
-    rows = [(node, p.ssm, p.rank, p.q) for node, props in enumerate(tree.proposals) for p in props]
-    sampled = any(q is not None for *_, q in rows)
+    """A tree as flat arrays: per node token and parent; per proposal node, ssm, rank and the row of
+    its q in ``proposal_q`` (-1: a deterministic proposal, a point mass). A sampled q is one row
+    per distribution, not per proposal: an SSM's draws at a parent share one (V floats each)."""
+    props = [(node, p) for node, ps in enumerate(tree.proposals) for p in ps]
+    rows: dict[int, int] = {}                       # id(q) -> its row
+    q_rows = [-1 if p.q is None else rows.setdefault(id(p.q), len(rows)) for _, p in props]
+    table = {row: p.q for (_, p), row in zip(props, q_rows) if row >= 0}
     return {
         "tree_tokens": np.asarray(tree.tokens, dtype=np.int64),
         "tree_parents": np.asarray(tree.parents, dtype=np.int32),
-        "proposal_node": np.asarray([r[0] for r in rows], dtype=np.int32),
-        "proposal_ssm": np.asarray([r[1] for r in rows], dtype=np.int32),
-        "proposal_rank": np.asarray([r[2] for r in rows], dtype=np.int32),
+        "proposal_node": np.asarray([node for node, _ in props], dtype=np.int32),
+        "proposal_ssm": np.asarray([p.ssm for _, p in props], dtype=np.int32),
+        "proposal_rank": np.asarray([p.rank for _, p in props], dtype=np.int32),
+        "proposal_q_row": np.asarray(q_rows, dtype=np.int32),
         # q is needed only under sampling (greedy trees send an empty [0, V] array); it travels as
         # float32, so acceptance probabilities are exact to float32 rounding (~1e-7 relative).
-        "proposal_q": (np.stack([r[3] for r in rows]).astype(np.float32) if sampled
+        "proposal_q": (np.stack([table[r] for r in range(len(table))]).astype(np.float32) if table
                        else np.zeros((0, vocab_size), dtype=np.float32)),
     }
 
@@ -164,10 +169,12 @@ def tensors_to_tree(t: Tensors) -> TokenTree:
         raise SpecInferError("malformed tree: tokens and parents must have the same length, root first")
     tree = TokenTree(int(tokens[0]))
     q = np.asarray(t["proposal_q"], dtype=np.float64)
+    fields = [np.asarray(t[k]).reshape(-1) for k in ("proposal_node", "proposal_ssm", "proposal_rank", "proposal_q_row")]
+    if len({len(f) for f in fields}) != 1 or (fields[3] >= len(q)).any():
+        raise SpecInferError("malformed tree: proposal fields of different lengths, or a q row out of range")
     by_node: dict[int, list[Proposal]] = {}
-    for i, (node, ssm, rank) in enumerate(zip(*(np.asarray(t[k]).reshape(-1) for k in
-                                                  ("proposal_node", "proposal_ssm", "proposal_rank")))):
-        by_node.setdefault(int(node), []).append(Proposal(int(ssm), int(rank), q[i] if len(q) else None))
+    for node, ssm, rank, row in zip(*fields):
+        by_node.setdefault(int(node), []).append(Proposal(int(ssm), int(rank), q[row] if row >= 0 else None))
     for node in range(1, len(tokens)):
         props = by_node.get(node) or [None]
         for p in props:  # the first add creates the node, the others add the other SSMs' proposals

@@ -84,6 +84,38 @@ def exported(tmp_path_factory, checkpoints):
     return {f: export_model(d, root / f, max_context=256, progress=False).out_dir for f, d in checkpoints.items()}
 
 
+TINY_VOCAB = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab(tmp_path_factory):
+    """An LLM and two unrelated SSMs over 8 tokens, so that p and q really differ: (runtimes, checkpoints)."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+    from specinfer.export import export_model
+
+    root = tmp_path_factory.mktemp("tiny_vocab")
+    ckpts = [make_checkpoint(root / name, "llama2", seed=seed, vocab_size=TINY_VOCAB, hidden=32, eos_token_id=None)
+             for name, seed in (("llm", 1), ("ssm_a", 2), ("ssm_b", 3))]
+    runtimes = [OrtRuntime(export_model(c, root / f"{c.name}_onnx", max_context=32, progress=False).out_dir, threads=1)
+                for c in ckpts]
+    return runtimes, ckpts
+
+
+def chi_square_p(counts, expected_probs) -> float:
+    """Chi-square p-value of observed counts against exact probabilities (rare cells pooled)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    mask = expected_probs.reshape(-1) * counts.sum() >= 5  # the usual validity rule for chi-square cells
+    obs, exp = counts.reshape(-1), expected_probs.reshape(-1) * counts.sum()
+    if (~mask).any():  # pool the rare cells into one (none at all if they cannot happen)
+        rare_obs, rare_exp = obs[~mask].sum(), exp[~mask].sum()
+        if rare_exp == 0:
+            return 0.0 if rare_obs else chisquare(obs[mask], exp[mask] * obs[mask].sum() / exp[mask].sum()).pvalue
+        obs, exp = np.append(obs[mask], rare_obs), np.append(exp[mask], rare_exp)
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

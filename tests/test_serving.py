@@ -1,14 +1,17 @@
 """The serving layer without a server: request validation, trees as tensors, and the whole
 orchestration over in-process model objects wired as the spec_step ensemble wires them."""
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from conftest import TINY_VOCAB, chi_square_p
+from specinfer import serving
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import SpecInferError
-from specinfer.generate import Stats, generate_ids
-from specinfer.sampling import SamplingParams
+from specinfer.generate import Stats, decode, generate_ids
+from specinfer.sampling import SamplingParams, probabilities
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree, postprocess,
                                preprocess, read_request, tensors_to_tree, tree_to_tensors)
 from specinfer.text import TextStream, decode_piece, load_tokenizer
@@ -77,13 +80,22 @@ def test_tree_tensors_round_trip():
     tree.add(0, 4, Proposal(0, 1, q))
     tree.add(a, 5, Proposal(1, 0, q * 2))
     tree.add(0, 3, Proposal(1, 0, q / 2))  # a second SSM proposes the same token: one node, two proposals
-    back = tensors_to_tree(tree_to_tensors(tree, 10))
+    tensors = tree_to_tensors(tree, 10)
+    assert tensors["proposal_q"].shape == (3, 10)    # one row per distribution: SSM 0's draws at the root share q
+    back = tensors_to_tree(tensors)
     assert back.tokens == tree.tokens and back.parents == tree.parents
     # q travels as float32 (exact to float32 rounding)
     assert [[(p.ssm, p.rank, float(np.float32(p.q[0]))) for p in ps] for ps in back.proposals] == \
         [[(p.ssm, p.rank, float(np.float32(p.q[0]))) for p in ps] for ps in tree.proposals]
     with pytest.raises(SpecInferError, match="does not start at the step's root"):
         build_tree(8, [tree_to_tensors(tree, 10)], 16, 10)
+    with pytest.raises(SpecInferError, match="q row out of range"):
+        tensors_to_tree(tensors | {"proposal_q_row": np.array([0, 0, 5, 2], np.int32)})
+    chain = TokenTree(7)
+    chain.add(0, 3, Proposal(0, 0, None))
+    greedy = tree_to_tensors(chain, 10)
+    assert greedy["proposal_q"].shape == (0, 10) and greedy["proposal_q_row"].tolist() == [-1]
+    assert tensors_to_tree(greedy).proposals[1][0].q is None
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +227,52 @@ def test_sampled_requests_are_reproducible(models):
     r = lambda seed: list(orch.run(request(tok, "x = ", temperature=np.array([1.0], np.float32),
                                            random_seed=np.array([seed], np.uint64))))[-1][0]["output_ids"].tolist()
     assert r(5) == r(5) and r(5) != r(6)
+
+
+# --- sampling through the served models keeps the LLM's distribution ------------------------------
+def transformers_first_two(checkpoint, prompt, params) -> np.ndarray:
+    """The LLM's own law of its first two tokens, from transformers' logits (the oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double().numpy()
+        after = model(torch.tensor([prompt + [x] for x in range(TINY_VOCAB)])).logits[:, -1].double().numpy()
+    return probabilities(first, params)[:, None] * probabilities(after, params)
+
+
+def served_first_two(tiny_vocab, params, budget, trials=2000, prompt=(3, 1, 4)) -> np.ndarray:
+    """Counts of the first two tokens sampled through ssm_0, ssm_1 (drafting by sampling, tree
+    3,2), tree_builder and llm, their trees and q as tensors between them."""
+    (llm, a, b), _ = tiny_vocab
+    call = local_call(VerifyModel(llm), [DraftModel(rt, i, "3,2") for i, rt in enumerate((a, b))])
+    counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
+    for seed in range(trials):
+        speculator = RemoteSpeculator(call, ["ssm_0", "ssm_1"], f"s{seed}", llm.max_context,
+                                      replace(params, seed=seed), None, Stats())
+        out = [t for step in decode(speculator, list(prompt), 2, budget=budget) for t in step]
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("params,budget", [(SamplingParams(temperature=1.0), 64),
+                                           (SamplingParams(temperature=0.8, top_k=6), 3)], ids=["free", "budget 3"])
+def test_served_sampling_keeps_the_llm_distribution(tiny_vocab, params, budget):
+    counts = served_first_two(tiny_vocab, params, budget)
+    p = chi_square_p(counts, transformers_first_two(tiny_vocab[1][0], [3, 1, 4], params))
+    assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
+
+
+def test_a_wrong_q_on_the_wire_fails_the_same_test(tiny_vocab, monkeypatch):
+    """The same test with every draft's q sent as uniform (not what the SSM drew from) fails."""
+    right = serving.tree_to_tensors
+
+    def uniform_q(tree, vocab_size):
+        t = right(tree, vocab_size)
+        return t | {"proposal_q": np.full_like(t["proposal_q"], 1.0 / vocab_size)}
+
+    monkeypatch.setattr(serving, "tree_to_tensors", uniform_q)
+    params = SamplingParams(temperature=1.0)
+    counts = served_first_two(tiny_vocab, params, 64)
+    assert chi_square_p(counts, transformers_first_two(tiny_vocab[1][0], [3, 1, 4], params)) < 1e-6

@@ -5,9 +5,8 @@ Sampling: the first generated tokens are distributed as the LLM's own sampling (
 """
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
-from conftest import EOS, make_checkpoint
+from conftest import EOS, TINY_VOCAB, chi_square_p, make_checkpoint
 from specinfer import verify as verify_module
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.engines.torch_runtime import TorchRuntime
@@ -110,18 +109,8 @@ def test_ssm_with_another_vocabulary_is_refused(pair, tmp_path):
 
 
 # --- multi-step speculative sampling keeps the LLM's distribution --------------------------------
-V = 8
+V = TINY_VOCAB
 TRIALS = 2500
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab(tmp_path_factory):
-    """An LLM and two unrelated SSMs over 8 tokens, so that p and q really differ."""
-    root = tmp_path_factory.mktemp("tiny_vocab")
-    def mk(name, seed):
-        ckpt = make_checkpoint(root / name, "llama2", seed=seed, vocab_size=V, hidden=32, eos_token_id=None)
-        return OrtRuntime(export_model(ckpt, root / f"{name}_onnx", max_context=32, progress=False).out_dir, threads=1)
-    return mk("llm", 1), mk("ssm_a", 2), mk("ssm_b", 3)
 
 
 def first_two_counts(llm, ssms, tree, params, trials=TRIALS, prompt=(3, 1, 4), lookup=False):
@@ -142,17 +131,9 @@ def exact_first_two(llm, params, prompt=(3, 1, 4)):
     return p1[:, None] * p2
 
 
-def chi_square_p(counts, expected_probs):
-    mask = expected_probs.reshape(-1) * counts.sum() >= 5  # the usual validity rule for chi-square cells
-    obs, exp = counts.reshape(-1), expected_probs.reshape(-1) * counts.sum()
-    if (~mask).any():  # pool the rare cells into one
-        obs, exp = np.append(obs[mask], obs[~mask].sum()), np.append(exp[mask], exp[~mask].sum())
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
 @pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs", "dynamic tree, two SSMs", "dynamic tree, SSM and lookup"])
 def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
-    llm, a, b = tiny_vocab
+    (llm, a, b), _ = tiny_vocab
     ssms = [a] if setup in ("one SSM", "dynamic tree, SSM and lookup") else [a, b]
     lookup = setup.endswith("lookup")
     prompt = (4, 1, 3, 4) if lookup else (3, 1, 4)   # the lookup copies "1 3 4" after the root 4
@@ -164,7 +145,7 @@ def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
 
 
 def test_a_wrong_acceptance_rule_fails_the_same_test(tiny_vocab, monkeypatch):
-    llm, a, _ = tiny_vocab
+    (llm, a, _), _ = tiny_vocab
     params = SamplingParams(temperature=1.0)
     monkeypatch.setattr(verify_module, "residual", lambda p, q: p)  # forget the rejected mass
     counts = first_two_counts(llm, [a], [3, 2], params)
