@@ -38,6 +38,39 @@ TREE_HELP = ("'dynamic' (sized each step to this machine's verification cost and
              "or children per depth, SpecInfer's expansion (e.g. 1,1,3,1,1,1,1,1)")
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse then names the flag in its one-line error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _utf8(text: str, what: str) -> str:
+    """Text from the command line that must be UTF-8 (Python keeps undecodable bytes as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecInferError(f"{what} is not valid UTF-8 text") from None
+    return text
+
+
+def _warn_if_cut(tree: list[int] | None, budget: int) -> None:
+    """Say so when a fixed tree is larger than the node budget (each step keeps its first nodes)."""
+    if tree is None:
+        return
+    nodes, level = 1, 1
+    for width in tree:
+        level *= width
+        nodes += level
+    if nodes > budget:
+        print(f"specinfer: warning: --tree {','.join(map(str, tree))} has up to {nodes} nodes per SSM; each step "
+              f"keeps the first {budget} in all (--budget)", file=sys.stderr)
+
+
 def _check_min_confidence(value: float | None) -> None:
     if value is not None and not 0.0 <= value < 1.0:
         raise SpecInferError(f"--min-confidence must be in [0, 1), got {value}")
@@ -46,7 +79,8 @@ def _check_min_confidence(value: float | None) -> None:
 def cmd_export(a) -> None:
     from .export import export_model
 
-    r = export_model(a.model_dir, a.output, dtype=a.dtype, max_context=a.max_context, validate=not a.no_validate)
+    r = export_model(a.model_dir, a.output, dtype=a.dtype, max_context=a.max_context, validate=not a.no_validate,
+                     force=a.force)
     msg = f"wrote {r.onnx_path}"
     if r.max_abs_diff:
         msg += " (validated, max |logit diff| vs PyTorch: " + \
@@ -78,17 +112,19 @@ def cmd_generate(a) -> None:
     from .sampling import SamplingParams
 
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)  # validates before loading models
+    prompt = _utf8(a.prompt, "the prompt")
     _check_min_confidence(a.min_confidence)
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     tree = parse_tree(a.tree)
+    _warn_if_cut(tree, a.budget)
     min_confidence = default_min_confidence(tree) if a.min_confidence is None else a.min_confidence
     llm, ssms = _models(a, all_ssms=False)
     pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=tree, budget=a.budget, engine=a.engine,
                     max_context=a.max_context, threads=a.threads, min_confidence=min_confidence,
                     lookup=not (a.no_lookup or a.no_speculation))
     stats = Stats()
-    for piece in pipe.stream(a.prompt, a.max_tokens, params, stats):
+    for piece in pipe.stream(prompt, a.max_tokens, params, stats):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -253,23 +289,28 @@ def cmd_serve(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="specinfer", description="Tree-based speculative inference (SpecInfer).")
+    parser.add_argument("--version", action="version", version=f"specinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a Hugging Face checkpoint folder to ONNX")
     p.add_argument("model_dir")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
-    p.add_argument("--max-context", type=int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--max-context", type=_positive_int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty folder that is not an earlier export of this model")
     p.add_argument("--no-validate", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("build", help="build a TensorRT engine folder from an fp16/bf16 ONNX export (NVIDIA GPU)")
     p.add_argument("onnx_dir")
     p.add_argument("-o", "--output", required=True, help="engine folder to write")
-    p.add_argument("--max-batch", type=int, default=1)
-    p.add_argument("--max-tree-tokens", type=int, default=64, help="tokens one verification step scores (<= 256)")
-    p.add_argument("--max-context", type=int, default=None, help="default: the export's max context")
+    p.add_argument("--max-batch", type=_positive_int, default=1)
+    p.add_argument("--max-tree-tokens", type=_positive_int, default=64, help="tokens one verification step scores (<= 256)")
+    p.add_argument("--max-context", type=_positive_int, default=None, help="default: the export's max context")
     p.add_argument("--attention", choices=["plugin", "native"], default="plugin",
                    help="plugin: our tree-attention kernel (default); native: TensorRT's attention layer, no plugin")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -288,10 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup(p)
     _add_min_confidence(p)
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
-    p.add_argument("--budget", type=int, default=64, help="tree nodes at most, root included")
+    p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--max-context", type=_positive_int, default=None, help="default: the export's max context")
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--stats", action="store_true", help="print tokens/s and speculation statistics")
     _add_sampling(p)
     p.set_defaults(func=cmd_generate)
@@ -300,9 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--contexts", default="128,1024")
     p.add_argument("--trees", default="1,16,64")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=_positive_int, default=20)
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
     p = sub.add_parser("train", help="train the demo tokenizer and LLM on the Python standard library")
@@ -331,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm", action="append", default=[])
     p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`)")
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
-    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
     p.add_argument("--threads", type=int, default=0, help=THREADS_HELP + " (0: the shared pool)")
     _add_lookup(p)
     p.add_argument("-o", "--output", required=True)
@@ -359,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "of .py files (default: the embedded held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--sampling", action="store_true", help="temperature 1: multi-step vs naive speculative sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from .config import ModelConfig, load_config
 from .errors import SpecInferError
-from .plugins.tree_attention import tree_attention
+from .plugins.tree_attention_torch import tree_attention
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -31,12 +31,47 @@ def test_export_then_generate(tmp_path, checkpoints):
     (["generate", "--model", "{ckpt}", "x" * 2000, "--max-context", "64"], "the prompt has"),
     (["generate", "--model", "{noweights}", "hi"], "no *.safetensors weights"),
     (["export", "/no/such/dir", "-o", "{tmp}/x"], "model folder not found"),
+    (["generate", "--model", "{ckpt}", b"\xff\xfe"], "the prompt is not valid UTF-8 text"),
+    (["generate", "--model", "{ckpt}", "hi", "--threads", "-3"], "argument --threads: must be >= 1, got -3"),
+    (["generate", "--model", "{ckpt}", "hi", "--budget", "x"], "argument --budget: expected an integer >= 1"),
+    (["export", "{ckpt}", "-o", "{tmp}/x", "--max-context", "0"], "argument --max-context: must be >= 1, got 0"),
+    (["export", "{ckpt}", "-o", "{tmp}/a_file"], "a_file is a file: the export writes a folder there"),
+    (["export", "{ckpt}", "-o", "{tmp}/full"], "is not empty and is not an export of this model"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, tmp_path, checkpoints):
     noweights = make_checkpoint(tmp_path / "nw", "llama2")
     (noweights / "model.safetensors").unlink()
-    args = [a.format(ckpt=checkpoints["llama2"], noweights=noweights, tmp=tmp_path) for a in args]
+    (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    args = [a.format(ckpt=checkpoints["llama2"], noweights=noweights, tmp=tmp_path) if isinstance(a, str) else a
+            for a in args]
     r = run(*args, "--threads", "1") if args[0] == "generate" else run(*args)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr
+
+
+def test_a_fixed_tree_over_the_budget_is_said(exported):
+    r = run("generate", "--model", str(exported["llama3"]), "hi", "--max-tokens", "2", "--tree", "1000,1000",
+            "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "warning: --tree 1000,1000 has up to 1001001 nodes per SSM; each step keeps the first 64" in r.stderr
+
+
+def test_version():
+    from specinfer import __version__
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"specinfer {__version__}"
+
+
+def test_the_onnx_runtime_path_imports_neither_torch_nor_transformers(exported):
+    """generate on an export, and the modules the server's models load, without torch: its import
+    alone took 7-10 s of every CLI call."""
+    code = ("import sys; from specinfer.cli import main; "
+            f"rc = main(['generate', '--model', {str(exported['llama3'])!r}, 'def f(x):', '--max-tokens', '4']); "
+            "import specinfer.serving, specinfer.client, specinfer.benchmark, specinfer.repo; "
+            "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "0 []"

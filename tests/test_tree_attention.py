@@ -7,8 +7,9 @@ from onnx import TensorProto, helper
 
 from specinfer.engines.onnxruntime import open_session
 from specinfer.plugins import onnx_function
-from specinfer.plugins.tree_attention import (ancestor_matrix, pack_bits, tree_attention,
-                                              tree_attention_reference, unpack_bits, visibility)
+from specinfer.plugins.tree_attention import (ancestor_matrix, pack_bits, tree_attention_reference, unpack_bits,
+                                              visibility)
+from specinfer.plugins.tree_attention_torch import tree_attention
 
 TOL = 1e-5  # float32 implementations against the float64 reference
 

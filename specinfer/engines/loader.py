@@ -51,7 +51,7 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
     except ImportError:
         raise SpecInferError(f"{model_dir} is a checkpoint: export it first (`specinfer export {model_dir} -o DIR`, "
                              "which needs `pip install specinfer[export]`)") from None
-    export_model(model_dir, out, max_context=max_context)
+    export_model(model_dir, out, max_context=max_context, force=True)   # the cache's folder: ours to overwrite
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import check_context, load_config
+from ..config import ModelConfig, check_context, load_config
 from ..errors import SpecInferError
 from ..plugins import onnx_function
 from ..plugins.tree_attention import tree_mask_from_parents
@@ -102,6 +102,23 @@ def _progress(steps: list[str]):
     return bar, advance
 
 
+def check_output_folder(out_dir: Path, config: ModelConfig, force: bool = False) -> None:
+    """Refuse, before any work, an output that is a file, or a non-empty folder that is not an
+    earlier export of the same model (its files would be overwritten or mixed with ours)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecInferError(f"{out_dir} is a file: the export writes a folder there")
+    if force or not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    manifest = out_dir / MANIFEST
+    try:
+        same = json.loads(manifest.read_text()).get("config") == json.loads(json.dumps(config.to_dict()))
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise SpecInferError(f"{out_dir} is not empty and is not an export of this model: choose another folder, "
+                             f"or --force to write over it")
+
+
 def export_model(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -110,8 +127,10 @@ def export_model(
     validate: bool = True,
     external_data_bytes: int = EXTERNAL_DATA_BYTES,
     progress: bool = True,
+    force: bool = False,
 ) -> ExportResult:
-    """Export a Hugging Face checkpoint folder to ``OUT_DIR/model.onnx`` plus a manifest."""
+    """Export a Hugging Face checkpoint folder to ``OUT_DIR/model.onnx`` plus a manifest.
+    ``OUT_DIR`` must be new, empty or an earlier export of the same model, unless ``force``."""
     import onnx
     import torch
 
@@ -121,7 +140,8 @@ def export_model(
         raise SpecInferError(f"unsupported dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = load_config(model_dir)
-    max_context = max_context or config.max_position_embeddings
+    check_output_folder(out_dir, config, force)
+    max_context = config.max_position_embeddings if max_context is None else max_context
     if max_context < 2:
         raise SpecInferError(f"--max-context must be at least 2, got {max_context}")
     check_context(config, max_context)

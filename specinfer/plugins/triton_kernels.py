@@ -214,7 +214,7 @@ def use_for_cuda() -> None:
     if not available():
         raise RuntimeError("the Triton kernels need `triton` and `torch` (pip install specinfer[kernels])")
     if not _CUDA_REGISTERED:
-        from .tree_attention import tree_attention as op
+        from .tree_attention_torch import tree_attention as op
 
         op.register_kernel("cuda")(lambda q, k, v, pk, pv, m, hq, hkv, scale: tree_attention(q, k, v, pk, pv, m, scale))
         _CUDA_REGISTERED = True
