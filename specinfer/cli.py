@@ -14,10 +14,10 @@ from .errors import SpecInferError
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of this much mass")
+    p.add_argument("--seed", type=int, default=None, help="random seed of a sampled generation (default: random)")
 
 
 def _add_min_confidence(p: argparse.ArgumentParser) -> None:
@@ -71,6 +71,27 @@ def _warn_if_cut(tree: list[int] | None, budget: int) -> None:
               f"keeps the first {budget} in all (--budget)", file=sys.stderr)
 
 
+def _prompt(a) -> str:
+    """generate's prompt: the argument, stdin for ``-``, or ``--prompt-file`` (prompts longer than
+    the shell's argument limit)."""
+    if (a.prompt is None) == (a.prompt_file is None):
+        raise SpecInferError("give the prompt as an argument, - for stdin, or --prompt-file FILE (one of them)")
+    if a.prompt_file is not None:
+        try:
+            data = Path(a.prompt_file).read_bytes()
+        except OSError as e:
+            raise SpecInferError(f"--prompt-file {a.prompt_file}: {e.strerror or e}") from None
+        what = f"--prompt-file {a.prompt_file}"
+    elif a.prompt == "-":
+        data, what = sys.stdin.buffer.read(), "the prompt on stdin"
+    else:
+        return _utf8(a.prompt, "the prompt")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecInferError(f"{what} is not valid UTF-8 text") from None
+
+
 def _check_min_confidence(value: float | None) -> None:
     if value is not None and not 0.0 <= value < 1.0:
         raise SpecInferError(f"--min-confidence must be in [0, 1), got {value}")
@@ -112,7 +133,7 @@ def cmd_generate(a) -> None:
     from .sampling import SamplingParams
 
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)  # validates before loading models
-    prompt = _utf8(a.prompt, "the prompt")
+    prompt = _prompt(a)
     _check_min_confidence(a.min_confidence)
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
@@ -288,6 +309,17 @@ def cmd_serve(a) -> None:
         server.stop()
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already names one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and "default" not in text and action.default not in (None, False, [],
+                                                                                      argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -296,9 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a Hugging Face checkpoint folder to ONNX")
-    p.add_argument("model_dir")
-    p.add_argument("-o", "--output", required=True)
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
+    p.add_argument("model_dir", help="a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("-o", "--output", required=True, help="the export folder to write")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights' and activations' type")
     p.add_argument("--max-context", type=_positive_int, default=None, help="default: max_position_embeddings")
     p.add_argument("--force", action="store_true",
                    help="write into a non-empty folder that is not an earlier export of this model")
@@ -306,9 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("build", help="build a TensorRT engine folder from an fp16/bf16 ONNX export (NVIDIA GPU)")
-    p.add_argument("onnx_dir")
+    p.add_argument("onnx_dir", help="an export folder (specinfer export)")
     p.add_argument("-o", "--output", required=True, help="engine folder to write")
-    p.add_argument("--max-batch", type=_positive_int, default=1)
+    p.add_argument("--max-batch", type=_positive_int, default=1, help="sequences one engine call serves at most")
     p.add_argument("--max-tree-tokens", type=_positive_int, default=64, help="tokens one verification step scores (<= 256)")
     p.add_argument("--max-context", type=_positive_int, default=None, help="default: the export's max context")
     p.add_argument("--attention", choices=["plugin", "native"], default="plugin",
@@ -317,11 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("validate", help="compare a TensorRT engine folder with ONNX Runtime on the same inputs")
-    p.add_argument("engine_dir")
+    p.add_argument("engine_dir", help="an engine folder (specinfer build)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("generate", help="generate text (speculative when SSMs are given)")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=None, help="the text to continue; - reads it from stdin")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from this file (UTF-8)")
     p.add_argument("--llm", "--model", dest="llm", default=None,
                    help="LLM folder: an export or a checkpoint (default: the embedded LLM, with its SSM 1)")
     p.add_argument("--ssm", action="append", default=[], help="SSM folder (repeat for several)")
@@ -330,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_min_confidence(p)
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
-    p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
+    p.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="the runtime to run the models on")
     p.add_argument("--max-context", type=_positive_int, default=None, help="default: the export's max context")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--stats", action="store_true", help="print tokens/s and speculation statistics")
@@ -338,53 +371,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("steptime", help="time one Runtime step by context length and tree size")
-    p.add_argument("--model", required=True)
-    p.add_argument("--contexts", default="128,1024")
-    p.add_argument("--trees", default="1,16,64")
+    p.add_argument("--model", required=True, help="an export or checkpoint folder")
+    p.add_argument("--contexts", default="128,1024", help="cached tokens to time over, comma-separated")
+    p.add_argument("--trees", default="1,16,64", help="tree sizes to time, comma-separated")
     p.add_argument("--repeats", type=_positive_int, default=20)
-    p.add_argument("--engine", choices=ENGINES, default="onnxruntime")
+    p.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="the runtime to time")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--json", help="also write the rows as JSON here")
     p.set_defaults(func=cmd_steptime)
     p = sub.add_parser("train", help="train the demo tokenizer and LLM on the Python standard library")
     p.add_argument("-o", "--output", required=True, help="checkpoint folder to write (trainer state goes beside it)")
     p.add_argument("--stdlib", default=None, help="stdlib folder (default: this interpreter's)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the recipe's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the recipe's)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the recipe's)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("boost-tune", help="collective boost-tuning of SSMs on an LLM's continuations")
     p.add_argument("--llm", required=True, help="the LLM checkpoint folder (with tokenizer.json)")
     p.add_argument("-o", "--output", required=True, help="folder for ssm1, ssm2, ... and boost_tuning.json")
     p.add_argument("--stdlib", default=None, help="stdlib folder (default: this interpreter's)")
-    p.add_argument("--num-ssms", type=int, default=None)
+    p.add_argument("--num-ssms", type=int, default=None, help="SSMs to train (default: the recipe's)")
     p.add_argument("--steps", type=int, default=None, help="training steps of SSM 1 (later ones: half)")
     p.add_argument("--prompts", type=int, default=None, help="training prompts with the LLM's greedy continuation")
     p.add_argument("--sampled-prompts", type=int, default=None,
                    help="training prompts with the LLM's sampled continuation (temperature 1)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the recipe's)")
     p.set_defaults(func=cmd_boost_tune)
 
     p = sub.add_parser("repo", help="write a Triton model repository for an LLM and its SSMs")
-    p.add_argument("--llm", required=True)
-    p.add_argument("--ssm", action="append", default=[])
+    p.add_argument("--llm", required=True, help="the LLM: an export or checkpoint folder")
+    p.add_argument("--ssm", action="append", default=[], help="an SSM: an export or checkpoint folder (repeat for several)")
     p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`)")
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
     p.add_argument("--threads", type=int, default=0, help=THREADS_HELP + " (0: the shared pool)")
     _add_lookup(p)
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, help="the repository folder to write")
     p.set_defaults(func=cmd_repo)
 
     p = sub.add_parser("serve", help="serve a model repository from tritonserver (default: the embedded models)")
-    p.add_argument("repo", nargs="?", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--log-file", default=None)
+    p.add_argument("repo", nargs="?", default=None, help="a repository (specinfer repo); default: one of the embedded models")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
+    p.add_argument("--metrics-port", type=int, default=8002, help="metrics port")
+    p.add_argument("--log-file", default=None, help="write tritonserver's log here (default: not kept)")
     p.set_defaults(func=cmd_serve)
 
     add_client_parser(sub)
@@ -399,15 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help="a .json list, a text file (blank-line separated) or a folder "
                                                   "of .py files (default: the embedded held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--sampling", action="store_true", help="temperature 1: multi-step vs naive speculative sampling")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (prompt i uses seed + i)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     _add_lookup(p)
     _add_min_confidence(p)
     p.add_argument("-o", "--output-dir", default="bench-results", help="where bench.json, .md and .png go")
     p.set_defaults(func=cmd_bench)
+    for command in sub.choices.values():
+        command.formatter_class = _HelpWithDefaults
     return parser
 
 

@@ -37,11 +37,16 @@ def test_export_then_generate(tmp_path, checkpoints):
     (["export", "{ckpt}", "-o", "{tmp}/x", "--max-context", "0"], "argument --max-context: must be >= 1, got 0"),
     (["export", "{ckpt}", "-o", "{tmp}/a_file"], "a_file is a file: the export writes a folder there"),
     (["export", "{ckpt}", "-o", "{tmp}/full"], "is not empty and is not an export of this model"),
+    (["generate", "--model", "{ckpt}"], "give the prompt as an argument, - for stdin, or --prompt-file FILE"),
+    (["generate", "--model", "{ckpt}", "--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: No such file"),
+    (["generate", "--model", "{ckpt}", "--prompt-file", "{tmp}/bad.txt"], "bad.txt is not valid UTF-8 text"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, tmp_path, checkpoints):
     noweights = make_checkpoint(tmp_path / "nw", "llama2")
     (noweights / "model.safetensors").unlink()
     (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    message = message.format(tmp=tmp_path)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     args = [a.format(ckpt=checkpoints["llama2"], noweights=noweights, tmp=tmp_path) if isinstance(a, str) else a
@@ -75,3 +80,28 @@ def test_the_onnx_runtime_path_imports_neither_torch_nor_transformers(exported):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_long_prompts_from_a_file_or_stdin(exported, tmp_path):
+    model, prompt = str(exported["llama3"]), "def f(x):\n    return x\n" * 8
+    want = run("generate", "--model", model, prompt, "--max-tokens", "6").stdout
+    (tmp_path / "p.txt").write_text(prompt)
+    assert run("generate", "--model", model, "--prompt-file", str(tmp_path / "p.txt"), "--max-tokens", "6").stdout == want
+    r = subprocess.run([sys.executable, "-m", "specinfer.cli", "generate", "--model", model, "-", "--max-tokens", "6"],
+                       input=prompt, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == want and len(want) > 1
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    import argparse
+
+    from specinfer.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"specinfer {name} {'/'.join(action.option_strings) or action.dest}: no help"
+    assert "(default: fp32)" in commands["export"].format_help()
+    assert "(default: 8000)" in " ".join(commands["serve"].format_help().split())
