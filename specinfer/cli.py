@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="an export or checkpoint folder")
     p.add_argument("--contexts", default="128,1024", help="cached tokens to time over, comma-separated")
     p.add_argument("--trees", default="1,16,64", help="tree sizes to time, comma-separated")
-    p.add_argument("--repeats", type=_positive_int, default=20)
+    p.add_argument("--repeats", type=_positive_int, default=20, help="timed calls per size")
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="the runtime to time")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--json", help="also write the rows as JSON here")
