@@ -71,6 +71,16 @@ def _warn_if_cut(tree: list[int] | None, budget: int) -> None:
               f"keeps the first {budget} in all (--budget)", file=sys.stderr)
 
 
+def _sampling_params(a):
+    """The sampling flags as SamplingParams; an error names the flag (--top-k, not top_k)."""
+    from .sampling import SamplingParams
+
+    try:
+        return SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)
+    except SpecInferError as e:   # its messages start with the field's name
+        raise SpecInferError("--" + str(e).replace("top_k", "top-k").replace("top_p", "top-p")) from None
+
+
 def _prompt(a) -> str:
     """generate's prompt: the argument, stdin for ``-``, or ``--prompt-file`` (prompts longer than
     the shell's argument limit)."""
@@ -130,9 +140,8 @@ def cmd_validate(a) -> None:
 def cmd_generate(a) -> None:
     from .generate import Stats
     from .pipeline import Pipeline
-    from .sampling import SamplingParams
 
-    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)  # validates before loading models
+    params = _sampling_params(a)   # validates before loading models
     prompt = _prompt(a)
     _check_min_confidence(a.min_confidence)
     if a.max_tokens < 1:

@@ -78,6 +78,9 @@ def _hf_model(checkpoint: PathLike):
     import torch
     import transformers
 
+    # The bench prints a table: no weight-loading bars or advice from transformers around it.
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     # The committed checkpoints are fp16; everything here runs in fp32 (`torch_dtype` is deprecated in 5.x).
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     # A fresh generation config: a checkpoint's generation_config.json (sampling defaults, a

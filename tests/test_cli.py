@@ -27,7 +27,8 @@ def test_export_then_generate(tmp_path, checkpoints):
 @pytest.mark.parametrize("args, message", [
     (["generate", "--model", "/no/such/dir", "hi"], "model folder not found: /no/such/dir"),
     (["generate", "--model", "{ckpt}", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
-    (["generate", "--model", "{ckpt}", "hi", "--temperature", "-0.5"], "temperature must be >= 0"),
+    (["generate", "--model", "{ckpt}", "hi", "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["generate", "--model", "{ckpt}", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["generate", "--model", "{ckpt}", "x" * 2000, "--max-context", "64"], "the prompt has"),
     (["generate", "--model", "{noweights}", "hi"], "no *.safetensors weights"),
     (["export", "/no/such/dir", "-o", "{tmp}/x"], "model folder not found"),
