@@ -136,9 +136,12 @@ def served_pair(tmp_path_factory, checkpoints):
     return {"llm": export(llm, "llm"), "ssms": [export(close, "close"), export(checkpoints["qwen2"], "far")]}
 
 
+_server_failure: list[str] = []   # why the session's tritonserver did not start, once it did not
+
+
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, served_pair):
-    """A real tritonserver on 127.0.0.1 serving a repository of `served_pair`, for the whole session."""
+def _session_server(tmp_path_factory, served_pair):
+    """The session's tritonserver, or the reason it could not start (with its log's tail)."""
     import importlib.util
     if importlib.util.find_spec("pytriton") is None and not __import__("shutil").which("tritonserver"):
         pytest.skip("no tritonserver here (pip install --no-deps nvidia-pytriton)")
@@ -147,7 +150,27 @@ def triton_server(tmp_path_factory, served_pair):
 
     root = tmp_path_factory.mktemp("triton")
     repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1")
-    server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=root / "server.log")
-    server.start(timeout=240)
+    log = root / "server.log"
+    server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=log)
+    try:
+        server.start(timeout=240)
+    except Exception as e:  # noqa: BLE001 - reported once, by the first test that needs the server
+        server.stop()
+        tail = log.read_text(errors="replace")[-3000:] if log.is_file() else "(no log)"
+        yield f"tritonserver did not start: {e}\n--- the end of its log ---\n{tail}"
+        return
     yield server
     server.stop()
+
+
+@pytest.fixture
+def triton_server(_session_server):
+    """A real tritonserver on 127.0.0.1 serving a repository of `served_pair`, for the whole session.
+    If it cannot start, the first test that needs it fails with the server's log tail and the
+    others are skipped, rather than every one of them erroring with the same start-up failure."""
+    if isinstance(_session_server, str):
+        if _server_failure:
+            pytest.skip("tritonserver did not start (the first test that needed it failed with its log)")
+        _server_failure.append(_session_server)
+        pytest.fail(_session_server, pytrace=False)
+    return _session_server
