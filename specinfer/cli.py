@@ -162,6 +162,24 @@ def cmd_generate(a) -> None:
         print(stats.summary(), file=sys.stderr)
 
 
+def cmd_cache(a) -> None:
+    from .benchmark import markdown_table
+    from .cache import cache_dir, cached_exports, clear
+    from .export.onnx_export import EXPORT_FORMAT
+
+    if a.action == "clear":
+        removed, freed = clear(stale_only=a.stale, current_format=EXPORT_FORMAT)
+        print(f"removed {removed} cached export{'s' * (removed != 1)} ({freed / 1e6:.1f} MB) from {cache_dir() / 'onnx'}")
+        return
+    rows = cached_exports()
+    print(f"{len(rows)} cached export{'s' * (len(rows) != 1)} in {cache_dir() / 'onnx'}, "
+          f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB (this version writes {EXPORT_FORMAT})")
+    if rows:
+        print(markdown_table(["folder", "checkpoint", "format", "max context", "MB"],
+                             [[r["folder"].name, r["source"], r["format"], r["max_context"], f"{r['bytes'] / 1e6:.1f}"]
+                              for r in rows]))
+
+
 def cmd_steptime(a) -> None:
     from .benchmark import markdown_table
     from .tree_sizing import step_times
@@ -378,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print tokens/s and speculation statistics")
     _add_sampling(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("cache", help="list or clear the exports of checkpoints cached in $SPECINFER_CACHE")
+    p.add_argument("action", choices=["list", "clear"], help="list the cached exports, or remove them")
+    p.add_argument("--stale", action="store_true",
+                   help="clear only exports of another export format than this version's, or unfinished")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("steptime", help="time one Runtime step by context length and tree size")
     p.add_argument("--model", required=True, help="an export or checkpoint folder")

@@ -187,7 +187,7 @@ def transformers_assisted(llm_dir: PathLike, ssm_dir: PathLike, prompts: Sequenc
 
 
 def _default_work_dir() -> Path:
-    from .engines.loader import cache_dir
+    from .cache import cache_dir
 
     return cache_dir() / "ortgenai"
 

@@ -2,19 +2,14 @@
 a TensorRT engine folder (``specinfer build``) always opens on TensorRT."""
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
+from ..cache import export_folder
 from ..errors import SpecInferError
 from .runtime import Runtime
 
 ENGINES = ("onnxruntime", "torch", "torch-gpu", "tensorrt")
 TENSORRT_FORMAT = "specinfer-tensorrt/1"  # = tensorrt_build.FORMAT, without importing it
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECINFER_CACHE", Path.home() / ".cache" / "specinfer"))
 
 
 def is_engine_folder(model_dir: str | Path) -> bool:
@@ -38,12 +33,10 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
         return model_dir
     if not (model_dir / "config.json").is_file():
         raise SpecInferError(f"{model_dir} is neither a checkpoint (config.json) nor an export (manifest.json)")
-    # The key changes whenever the checkpoint's files change, so a stale export is never reused.
+    # Keyed by content: a changed checkpoint is exported again, a copy of the same one is not.
     from ..export.onnx_export import EXPORT_FORMAT
 
-    stamp = [str(model_dir.resolve()), str(max_context), EXPORT_FORMAT] + sorted(
-        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in model_dir.iterdir() if p.is_file())
-    out = cache_dir() / "onnx" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:16]
+    out = export_folder(model_dir, max_context, EXPORT_FORMAT)
     if (out / "manifest.json").is_file():
         return out
     try:
