@@ -17,8 +17,8 @@ if not CUDA:  # must precede the first import of the kernels: @triton.jit reads 
 triton = pytest.importorskip("triton", reason="OpenAI Triton is not installed (pip install 'specinfer[kernels]')")
 
 from specinfer.plugins import triton_kernels as tk  # noqa: E402
-from specinfer.plugins.tree_attention import (ancestor_matrix, pack_bits,  # noqa: E402
-                                              tree_attention, tree_attention_reference)
+from specinfer.plugins.tree_attention import ancestor_matrix, pack_bits, tree_attention_reference  # noqa: E402
+from specinfer.plugins.tree_attention_torch import tree_attention  # noqa: E402
 
 INTERPRETED = type(tk.tree_attention_kernel).__name__ == "InterpretedFunction"
 if not CUDA and not INTERPRETED:
