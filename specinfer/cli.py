@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_repo)
 
     p = sub.add_parser("serve", help="serve a model repository from tritonserver (default: the embedded models)")
-    p.add_argument("repo", nargs="?", default=None, help="a repository (specinfer repo); default: one of the embedded models")
+    p.add_argument("repo", nargs="?", default=None, help="a repository (specinfer repo); default: the embedded models' one, written to a temporary folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")

@@ -28,7 +28,8 @@ class LookupDrafter:
     def __init__(self, index: int, sizer: TreeSizer, record: Acceptance, depth: int):
         self.index, self.sizer, self.record, self.depth = index, sizer, record, depth
         self.tokens: list[int] = []               # the sequence before the next root
-        self._next: dict[tuple[int, ...], int] = {}   # run of 1..LONGEST_MATCH tokens -> index after its latest occurrence
+        # A run of 1..LONGEST_MATCH tokens -> the index after its latest occurrence.
+        self._next: dict[tuple[int, ...], int] = {}
         self._tree: TokenTree | None = None
         self._proposed: list[tuple[int, int, float]] = []   # (tree node, rank, nominal probability)
         self.speedup = 0.0   # the last draft's expected speedup (TreeSizer.speedup, drafted free)

@@ -10,9 +10,9 @@ where a node's *reach* is the chance that verification accepts it (the product, 
 the SSM's probabilities of the tokens, each as the SSM's :class:`Acceptance` record rates it: the
 SSMs are trained to predict the LLM's greedy token, so their probability is a first guess, which
 the record corrects by what verification did with tokens of that probability), the 1 is the
-LLM's bonus token, the LLM cost of T tree tokens is a line fitted to a table measured on this machine (:class:`StepCost`) and
-refitted to the steps decoding runs, and the overhead is what a step costs outside the LLM (SSMs,
-Python), measured as decoding runs. Where even the best tree is expected to be slower than a step
+LLM's bonus token, the LLM cost of T tree tokens is a line fitted to a table measured on this
+machine (:class:`StepCost`) and refitted to the steps decoding runs, and the overhead is what a
+step costs outside the LLM (SSMs, Python), measured as decoding runs. Where even the best tree is expected to be slower than a step
 without one (text the SSM does not know, sampling at a high temperature), the SSM drafts nothing
 and tries again later.
 
@@ -224,7 +224,7 @@ class Acceptance:
         np.add.at(self._accepted, index, np.asarray(accepted, dtype=float))
         np.add.at(self._expected, index, p)
 
-    def learn(self, tree: "TokenTree", proposed: Sequence[tuple[int, int, float]], path_tokens: Sequence[int]) -> None:
+    def learn(self, tree: TokenTree, proposed: Sequence[tuple[int, int, float]], path_tokens: Sequence[int]) -> None:
         """One verified step of a drafter's tree: ``proposed`` its candidates as (tree node, rank,
         probability), ``path_tokens`` the accepted path's tokens, root first."""
         accepted, node = {0}, 0
