@@ -11,10 +11,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[export,dev,triton,kernels,bench]"
-	# The Triton server binary bundled in nvidia-pytriton (only its files; its Python stub wants numpy 1.x).
+	# numpy 1.x: the Python-backend stub of the Triton server below wants it.
+	$(PY) -m pip install -q -e ".[export,dev,triton,kernels,bench]" "numpy>=1.24,<2"
+	# The Triton server binary bundled in nvidia-pytriton: only its files, and last, so that no
+	# later install reports its unneeded dependencies as a (harmless) resolver error.
 	$(PY) -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
-	$(PY) -m pip install -q "numpy>=1.24,<2"
 	touch $@
 
 venv: $(VENV)/.installed
