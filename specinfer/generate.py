@@ -140,7 +140,7 @@ class LocalSpeculator:
             if self.last_path:
                 self.lookup.commit(self.last_path)
             if budget > 1:
-                trees.append(self.lookup.draft(root, self.tree, self.params, self.rng, budget))
+                trees.append(self.lookup.draft(root, budget))
                 lead = self.lookup.speedup
         for d in self.drafters:
             if self.last_path:

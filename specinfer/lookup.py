@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .sampling import SamplingParams
 from .tree import Proposal, TokenTree
 from .tree_sizing import Acceptance, TreeSizer
 
@@ -23,7 +22,8 @@ MATCH_PROBABILITY = {1: 0.3, 2: 0.5, 3: 0.7}      # a copied token's nominal pro
 
 class LookupDrafter:
     """One sequence's lookup drafts: the tokens verified so far and where each short run of them
-    last occurred (with what followed). The drafter interface of :class:`speculate.SSMDrafter`."""
+    last occurred (with what followed): ``prefill``, ``draft``, ``commit``, ``release``, as
+    :class:`speculate.SSMDrafter` has them, but a draft needs only the root and the node budget."""
 
     def __init__(self, index: int, sizer: TreeSizer, record: Acceptance, depth: int):
         self.index, self.sizer, self.record, self.depth = index, sizer, record, depth
@@ -46,12 +46,7 @@ class LookupDrafter:
     def prefill(self, tokens: Sequence[int]) -> None:
         self._extend(tokens)
 
-    @property
-    def drafted(self) -> bool:
-        """Whether the draft awaiting commit cost a model call: never (its cost is the step's Python)."""
-        return False
-
-    def draft(self, root: int, widths: Sequence[int], params: SamplingParams, rng, budget: int) -> TokenTree:
+    def draft(self, root: int, budget: int) -> TokenTree:
         """A chain copied from after the latest earlier occurrence of the sequence's longest
         matching end (root included), cut where more tokens would not pay."""
         tree = self._tree = TokenTree(root)

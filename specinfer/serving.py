@@ -170,7 +170,7 @@ def tensors_to_tree(t: Tensors) -> TokenTree:
     tree = TokenTree(int(tokens[0]))
     q = np.asarray(t["proposal_q"], dtype=np.float64)
     fields = [np.asarray(t[k]).reshape(-1) for k in ("proposal_node", "proposal_ssm", "proposal_rank", "proposal_q_row")]
-    if len({len(f) for f in fields}) != 1 or (fields[3] >= len(q)).any():
+    if len({len(f) for f in fields}) != 1 or ((fields[3] < -1) | (fields[3] >= len(q))).any():
         raise SpecInferError("malformed tree: proposal fields of different lengths, or a q row out of range")
     by_node: dict[int, list[Proposal]] = {}
     for node, ssm, rank, row in zip(*fields):
@@ -326,11 +326,11 @@ class LookupModel(DraftModel):
 
     def step(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
              tree: str | None = None) -> Tensors:
-        drafter, rng = self.sequences.get(seq_id)
+        drafter, _ = self.sequences.get(seq_id)
         if accepted:
             drafter.commit(accepted)
         dynamic = parse_tree(tree or self.default_tree) is None
-        draft = drafter.draft(root, [], params, rng, budget) if dynamic and budget > 1 else TokenTree(root)
+        draft = drafter.draft(root, budget) if dynamic and budget > 1 else TokenTree(root)
         return tree_to_tensors(draft, self.vocab_size)
 
     def kv_bytes(self) -> int:

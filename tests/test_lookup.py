@@ -3,12 +3,10 @@ import numpy as np
 import pytest
 
 from specinfer.lookup import MATCH_PROBABILITY, LookupDrafter
-from specinfer.sampling import SamplingParams
 from specinfer.tree_sizing import Acceptance, StepCost, TreeSizer
 
 CHEAP = StepCost((1, 16), (1.0, 1.05))     # tree tokens nearly free: every likely token pays
 DEAR = StepCost((1, 2), (1.0, 2.0))        # each token costs a whole step: none pays
-GREEDY = SamplingParams()
 
 
 def drafter(history, cost=CHEAP, depth=8):
@@ -26,27 +24,27 @@ def chain(tree):
 def test_copies_what_followed_the_latest_longest_match():
     # "7 8" occurred twice: the latest occurrence was followed by 4 5 6; "8" alone also by 9.
     d = drafter([1, 7, 8, 9, 2, 7, 8, 4, 5, 6, 3, 7])
-    assert chain(d.draft(8, [1], GREEDY, None, budget=64)) == [4, 5, 6, 3, 7, 8]   # up to the root, included
+    assert chain(d.draft(8, budget=64)) == [4, 5, 6, 3, 7, 8]   # up to the root, included
     d.commit([8])
-    assert chain(d.draft(9, [1], GREEDY, None, budget=64)) == [2, 7, 8, 4, 5, 6, 3, 7]   # depth 8 at most
+    assert chain(d.draft(9, budget=64)) == [2, 7, 8, 4, 5, 6, 3, 7]   # depth 8 at most
 
 
 def test_nothing_to_copy():
     d = drafter([1, 2, 3])
-    assert len(d.draft(4, [1], GREEDY, None, budget=64)) == 1            # 4 never occurred
+    assert len(d.draft(4, budget=64)) == 1            # 4 never occurred
     d.commit([4])
-    assert len(d.draft(5, [1], GREEDY, None, budget=64)) == 1
+    assert len(d.draft(5, budget=64)) == 1
     # The sequence's end is never matched with itself: a lone token has nothing after it yet.
-    assert len(drafter([]).draft(3, [1], GREEDY, None, budget=64)) == 1
+    assert len(drafter([]).draft(3, budget=64)) == 1
 
 
 def test_keeps_as_many_tokens_as_pay_and_fit():
     history = [1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1, 2]     # "1 2 5" matches: nominal 0.7 a token
-    assert len(drafter(history).draft(5, [1], GREEDY, None, budget=64)) == 9      # the root and 8
-    assert len(drafter(history).draft(5, [1], GREEDY, None, budget=4)) == 4       # the budget
-    assert len(drafter(history, cost=DEAR).draft(5, [1], GREEDY, None, budget=64)) == 1
+    assert len(drafter(history).draft(5, budget=64)) == 9      # the root and 8
+    assert len(drafter(history).draft(5, budget=4)) == 4       # the budget
+    assert len(drafter(history, cost=DEAR).draft(5, budget=64)) == 1
     # A one-token match is worth less (nominal 0.3 a token): fewer of its tokens pay.
-    assert 1 < len(drafter(history[2:]).draft(5, [1], GREEDY, None, budget=64)) < 9
+    assert 1 < len(drafter(history[2:]).draft(5, budget=64)) < 9
 
 
 def test_learns_which_copies_are_accepted():
@@ -54,7 +52,7 @@ def test_learns_which_copies_are_accepted():
     record, p = d.record, MATCH_PROBABILITY[1]
     before = record([p], 0)[0]
     for _ in range(40):    # the LLM takes the first two copied tokens, never the third
-        tree = d.draft(5, [1], GREEDY, None, budget=64)
+        tree = d.draft(5, budget=64)
         assert chain(tree)[:3] == [6, 7, 1]
         d.commit([5, 6, 7])
         d.release()
@@ -66,6 +64,6 @@ def test_learns_which_copies_are_accepted():
 
 def test_release_forgets_the_sequence():
     d = drafter([1, 2, 3, 1])
-    assert chain(d.draft(2, [1], GREEDY, None, budget=64))[:2] == [3, 1]
+    assert chain(d.draft(2, budget=64))[:2] == [3, 1]
     d.release()
-    assert len(d.draft(2, [1], GREEDY, None, budget=64)) == 1
+    assert len(d.draft(2, budget=64)) == 1

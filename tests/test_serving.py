@@ -91,6 +91,8 @@ def test_tree_tensors_round_trip():
         build_tree(8, [tree_to_tensors(tree, 10)], 16, 10)
     with pytest.raises(SpecInferError, match="q row out of range"):
         tensors_to_tree(tensors | {"proposal_q_row": np.array([0, 0, 5, 2], np.int32)})
+    with pytest.raises(SpecInferError, match="q row out of range"):
+        tensors_to_tree(tensors | {"proposal_q_row": np.array([0, 0, -2, 2], np.int32)})
     chain = TokenTree(7)
     chain.add(0, 3, Proposal(0, 0, None))
     greedy = tree_to_tensors(chain, 10)

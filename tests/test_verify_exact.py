@@ -361,7 +361,7 @@ def lookup_and_ssm_merged(params):
     sized by the real LookupDrafter, merged with an SSM's sized tree: two proposers' point masses."""
     lookup = LookupDrafter(2, TreeSizer(SIZING_COST, overhead=0.5), Acceptance(), depth=3)
     lookup.prefill([1, 2, ROOT, 3, 1, 2])
-    tree = lookup.draft(ROOT, [1, 1, 1], params, None, budget=10)
+    tree = lookup.draft(ROOT, budget=10)
     assert tree.tokens[1:] == [3, 1, 2]
     return merge([tree, sized_tree(params, ssms=(0,))], budget=100)[0]
 
