@@ -1,9 +1,7 @@
 """What each Triton model of ``server_repo/`` does, as plain Python over numpy arrays.
 
 The ``model.py`` files only move tensors between Triton and these classes, so everything here is
-tested without a server. Request tensors use the names Triton's LLM clients already send
-(``text_input``, ``max_tokens``, ``stream``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``,
-``end_id``, ``stop_words``, ``exclude_input_in_output``) plus ours (``tree``).
+tested without a server. Requests are read and checked in :mod:`specinfer.request`.
 
 Models and their state: ``ssm_<i>`` (:class:`DraftModel`) and ``llm`` (:class:`VerifyModel`) keep
 one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes, and ``lookup``
@@ -16,128 +14,23 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Hashable, Iterator
 
 import numpy as np
 
 from .engines.runtime import Runtime
 from .errors import SpecInferError
-from .generate import DEFAULT_BUDGET, Stats, check_request, decode
+from .generate import DEFAULT_BUDGET, Stats, decode
 from .lookup import LookupDrafter
+from .request import GenerationRequest, Tensors, as_text, read_request, sampling_from, scalar, tree_spec
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
-from .text import TextStream, decode_piece
+from .text import TextStream
 from .tree import Proposal, TokenTree, merge
 from .tree_sizing import StepCost, TreeSizer, acceptance
 from .verify import verify
 
-Tensors = dict[str, np.ndarray]
-MAX_STOP_WORDS = 16
-
-
-# --- reading request tensors ---------------------------------------------------------------------
-def _scalar(inputs: Tensors, name: str, kind: str, default):
-    """One value from an optional [1] tensor of the right kind ('i', 'f', 'b'), else an error."""
-    if name not in inputs or inputs[name] is None:
-        return default
-    a = np.asarray(inputs[name])
-    if a.size != 1:
-        raise SpecInferError(f"'{name}' must hold one value, got shape {list(a.shape)}")
-    kinds = {"i": "iu", "f": "fiu", "b": "b"}[kind]
-    if a.dtype.kind not in kinds:
-        raise SpecInferError(f"'{name}' has the wrong type {a.dtype} (expected {dict(i='an integer', f='a number', b='a bool')[kind]})")
-    value = a.reshape(-1)[0]
-    return {"i": int, "f": float, "b": bool}[kind](value)
-
-
-def _text(value, name: str) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise SpecInferError(f"'{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    if isinstance(value, str):
-        return value
-    raise SpecInferError(f"'{name}' must be text (BYTES), got {type(value).__name__}")
-
-
-def text_input(inputs: Tensors) -> str:
-    if inputs.get("text_input") is None:
-        raise SpecInferError("missing input 'text_input'")
-    a = np.asarray(inputs["text_input"], dtype=object)
-    if a.size != 1:
-        raise SpecInferError(f"'text_input' must hold one string, got shape {list(a.shape)}")
-    text = _text(a.reshape(-1)[0], "text_input")
-    if not text:
-        raise SpecInferError("'text_input' is empty")
-    return text
-
-
-@dataclass
-class GenerationRequest:
-    """One generation request as the orchestrator reads it."""
-
-    prompt: list[int]
-    max_tokens: int = 128
-    stream: bool = False
-    params: SamplingParams = SamplingParams()
-    end_id: int | None = None
-    stop_words: list[str] = field(default_factory=list)
-    exclude_input: bool = False
-    tree: str | None = None       # a tree spec ("dynamic" or widths), None: the server's default
-
-
-def read_request(inputs: Tensors, max_context: int) -> GenerationRequest:
-    """Validate the orchestrator's inputs; every problem is a SpecInferError naming the input."""
-    if inputs.get("input_ids") is None:
-        raise SpecInferError("missing input 'input_ids'")
-    ids = np.asarray(inputs["input_ids"])
-    if ids.dtype.kind not in "iu":
-        raise SpecInferError(f"'input_ids' must be integers, got {ids.dtype}")
-    prompt = [int(t) for t in ids.reshape(-1)]
-    max_tokens = _scalar(inputs, "max_tokens", "i", 128)
-    if not 1 <= max_tokens <= max_context:
-        raise SpecInferError(f"'max_tokens' must be in 1..{max_context} (the context), got {max_tokens}")
-    check_request(prompt, max_tokens, max_context)
-    params = SamplingParams(temperature=_scalar(inputs, "temperature", "f", 0.0),
-                            top_k=_scalar(inputs, "top_k", "i", 0), top_p=_scalar(inputs, "top_p", "f", 1.0),
-                            seed=_scalar(inputs, "random_seed", "i", None))
-    stops = []
-    if inputs.get("stop_words") is not None:
-        stops = [_text(w, "stop_words") for w in np.asarray(inputs["stop_words"], dtype=object).reshape(-1)]
-        stops = [w for w in stops if w]
-        if len(stops) > MAX_STOP_WORDS:
-            raise SpecInferError(f"at most {MAX_STOP_WORDS} stop words, got {len(stops)}")
-    tree = None
-    if inputs.get("tree") is not None:
-        tree = _tree_spec(inputs)
-    return GenerationRequest(prompt, max_tokens, _scalar(inputs, "stream", "b", False), params,
-                             _scalar(inputs, "end_id", "i", None), stops,
-                             _scalar(inputs, "exclude_input_in_output", "b", False), tree)
-
-
-def _tree_spec(inputs: Tensors) -> str:
-    """The ``tree`` input, checked: ``dynamic`` or widths per depth."""
-    spec = _text(np.asarray(inputs["tree"], dtype=object).reshape(-1)[0], "tree")
-    widths = parse_tree(spec)
-    return DYNAMIC if widths is None else ",".join(map(str, widths))
-
-
-def sampling_from(inputs: Tensors) -> SamplingParams:
-    return SamplingParams(_scalar(inputs, "temperature", "f", 0.0), _scalar(inputs, "top_k", "i", 0),
-                          _scalar(inputs, "top_p", "f", 1.0), _scalar(inputs, "random_seed", "i", None))
-
-
-# --- pre- and postprocessing -----------------------------------------------------------------------
-def preprocess(tokenizer, inputs: Tensors) -> Tensors:
-    return {"input_ids": np.asarray(tokenizer.encode(text_input(inputs)).ids, dtype=np.int64)}
-
-
-def postprocess(tokenizer, inputs: Tensors) -> Tensors:
-    context = [int(t) for t in np.asarray(inputs.get("context_ids", np.zeros(0))).reshape(-1)]
-    ids = [int(t) for t in np.asarray(inputs["output_ids"]).reshape(-1)]
-    return {"text_output": np.array([decode_piece(tokenizer, context, ids).encode()], dtype=object)}
 
 
 # --- trees as tensors ----------------------------------------------------------------------------
@@ -201,10 +94,10 @@ def _op_and_sequence(t: Tensors) -> tuple[str, str]:
     for name in ("op", "sequence_id"):
         if t.get(name) is None:
             raise SpecInferError(f"missing input '{name}'")
-    op = _text(np.asarray(t["op"], dtype=object).reshape(-1)[0], "op")
+    op = as_text(np.asarray(t["op"], dtype=object).reshape(-1)[0], "op")
     if op not in OPS:
         raise SpecInferError(f"unknown op '{op}' (one of {', '.join(OPS)})")
-    return op, _text(np.asarray(t["sequence_id"], dtype=object).reshape(-1)[0], "sequence_id")
+    return op, as_text(np.asarray(t["sequence_id"], dtype=object).reshape(-1)[0], "sequence_id")
 
 
 def _ids(t: Tensors, name: str) -> list[int]:
@@ -293,9 +186,9 @@ class DraftModel:
         elif op == "release":
             self.release(seq)
         else:
-            tree = _tree_spec(t) if t.get("tree") is not None else None
-            return self.step(seq, _ids(t, "tokens"), _scalar(t, "root", "i", None), sampling_from(t),
-                             _scalar(t, "budget", "i", DEFAULT_BUDGET), tree)
+            tree = tree_spec(t) if t.get("tree") is not None else None
+            return self.step(seq, _ids(t, "tokens"), scalar(t, "root", "i", None), sampling_from(t),
+                             scalar(t, "budget", "i", DEFAULT_BUDGET), tree)
         return tree_to_tensors(TokenTree(0), self.vocab_size)
 
     def release(self, seq_id) -> bool:

@@ -12,8 +12,9 @@ from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import SpecInferError
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
-from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree, postprocess,
-                               preprocess, read_request, tensors_to_tree, tree_to_tensors)
+from specinfer.request import postprocess, preprocess, read_request
+from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
+                               tensors_to_tree, tree_to_tensors)
 from specinfer.text import TextStream, decode_piece, load_tokenizer
 from specinfer.tree import Proposal, TokenTree
 from specinfer.tree_sizing import acceptance, step_cost

@@ -9,7 +9,7 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 import triton_python_backend_utils as pb  # noqa: E402
 
 from specinfer import triton_glue as glue  # noqa: E402
-from specinfer.serving import preprocess  # noqa: E402
+from specinfer.request import preprocess  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
 
 
