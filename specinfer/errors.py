@@ -1,5 +1,16 @@
-"""The one exception type users see: a problem with their input, said in one line."""
+"""The exceptions users see: a problem said in one line."""
 
 
 class SpecInferError(Exception):
-    """Bad input or an unsupported model: the message names the problem (CLI exit code 2)."""
+    """Bad input or an unsupported model: the message names the problem (CLI exit code 2). The
+    server answers it as an internal error (its message is ours, never a raw Python one)."""
+
+
+class RequestError(SpecInferError):
+    """What a client's request got wrong, naming the input: the server answers it as Triton's
+    INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+
+class ServerStopping(SpecInferError):
+    """The server is stopping: a running request ends early with this (Triton's UNAVAILABLE, which
+    clients may retry on another server)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 from string import Template
@@ -18,16 +19,17 @@ from .errors import SpecInferError
 from .generate import DEFAULT_BUDGET
 from .speculate import DYNAMIC, parse_tree
 from .tree_sizing import StepCost
+from .triton_glue import KEY_FILE
 
 TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
                ("proposal_node", "TYPE_INT32", "-1"), ("proposal_ssm", "TYPE_INT32", "-1"),
                ("proposal_rank", "TYPE_INT32", "-1"), ("proposal_q_row", "TYPE_INT32", "-1"),
                ("proposal_q", "TYPE_FP32", "-1, -1"))
-SSM_INPUTS = ("op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed")
-# (name, orchestrator mode, decoupled): the decoupled pair streams and answers /generate; the
-# "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled models.
-ORCHESTRATORS = (("specinfer", "ensemble", True), ("specinfer_fused", "fused", True), ("specinfer_sync", "ensemble", False))
-ENSEMBLES = (("ensemble", "specinfer"), ("ensemble_fused", "specinfer_fused"), ("ensemble_sync", "specinfer_sync"))
+SSM_INPUTS = ("op", "sequence_id", "caller_key", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed")
+# The client-facing orchestrators, (name, mode, decoupled): the decoupled pair streams and answers
+# /generate; the "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled models.
+ORCHESTRATORS = (("ensemble", "ensemble", True), ("ensemble_fused", "fused", True), ("ensemble_sync", "ensemble", False))
+IDLE_TIMEOUT = 120.0   # seconds after which llm and ssm_<i> reclaim a sequence no one steps
 
 
 def templates_dir() -> Path:
@@ -67,11 +69,12 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) 
 
 def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC,
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
-                     lookup: bool = True) -> Path:
+                     lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
     or widths; a request may ask for another). ``engines``: a folder of TensorRT engines
     (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime.
-    ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs)."""
+    ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
+    ``idle_timeout``: seconds after which the stateful models release a sequence no one steps."""
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
@@ -96,16 +99,18 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if cost is not None:
         cost_file = out / "step_cost.json"
         cost_file.write_text(json.dumps(cost.to_dict(), indent=2))
+    # The orchestrator's key to the stateful models: only it may open and release their sequences.
+    key_file = out / KEY_FILE
+    key_file.touch(mode=0o600)
+    key_file.write_text(secrets.token_hex(16))
     tokenizer_dir = onnx_folder(llm).resolve()
     common = dict(engine=engine, threads=threads)
-    _model("preprocessing", "preprocessing", out, tokenizer_dir=tokenizer_dir)
-    _model("postprocessing", "postprocessing", out, tokenizer_dir=tokenizer_dir)
-    _model("llm", "llm", out, model_dir=llm_dir, **common)
+    _model("llm", "llm", out, model_dir=llm_dir, idle_timeout=idle_timeout, **common)
     drafters = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
     for i, name in enumerate(drafters):
         _model("ssm", name, out, name=name, drafter="lookup" if name == "lookup" else "ssm",
                model_dir=ssm_dirs[i] if i < len(ssm_dirs) else "", index=i, tree=tree, step_cost=cost_file,
-               vocab_size=vocab, **common)
+               vocab_size=vocab, idle_timeout=idle_timeout, **common)
     n = len(drafters)
     ssm_inputs = "".join(f',\n  {{ name: "{f}_{i}" data_type: {t} dims: [ {d} ] }}' for i in range(n) for f, t, d in TREE_FIELDS)
     _model("tree_builder", "tree_builder", out, ssm_inputs=ssm_inputs, num_ssms=n, vocab_size=vocab)
@@ -118,11 +123,9 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     builder_inputs = "".join(f'\n      input_map {{ key: "{f}_{i}" value: "{f}_{i}" }}' for i in range(n) for f, _, _ in TREE_FIELDS)
     _model("spec_step", "spec_step", out, ssm_steps=ssm_steps, builder_inputs=builder_inputs)
     for name, mode, decoupled in ORCHESTRATORS:
-        _model("specinfer", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
+        _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
                lookup=int(lookup), **common)
-    for name, orchestrator in ENSEMBLES:
-        _model("ensemble", name, out, name=name, orchestrator=orchestrator)
     (out / "specinfer_repository.json").write_text(json.dumps(
         {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine, "lookup": lookup},
         indent=2))

@@ -5,13 +5,16 @@ tested without a server. Requests are read and checked in :mod:`specinfer.reques
 
 Models and their state: ``ssm_<i>`` (:class:`DraftModel`) and ``llm`` (:class:`VerifyModel`) keep
 one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes, and ``lookup``
-(:class:`LookupModel`, drafting by lookup) each request's tokens; ``tree_builder``
-(:func:`build_tree`) and the pre/post-processing are stateless. The orchestrator runs
+(:class:`LookupModel`, drafting by lookup) each request's tokens; they answer only the orchestrator
+(its key) and reclaim sequences left idle. ``tree_builder`` (:func:`build_tree`) is stateless. The
+client-facing orchestrator (:class:`Orchestrator`, text in and out) runs
 :func:`specinfer.generate.decode` over a :class:`RemoteSpeculator` whose step is one call of the
-``spec_step`` ensemble.
+``spec_step`` ensemble, or over a ``LocalSpeculator`` (fused).
 """
 from __future__ import annotations
 
+import hmac
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -20,16 +23,18 @@ from typing import Callable, Hashable, Iterator
 import numpy as np
 
 from .engines.runtime import Runtime
-from .errors import SpecInferError
+from .errors import RequestError, SpecInferError
 from .generate import DEFAULT_BUDGET, Stats, decode
 from .lookup import LookupDrafter
 from .request import GenerationRequest, Tensors, as_text, read_request, sampling_from, scalar, tree_spec
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
-from .text import TextStream
+from .text import TextStream, decode_piece
 from .tree import Proposal, TokenTree, merge
 from .tree_sizing import StepCost, TreeSizer, acceptance
 from .verify import verify
+
+log = logging.getLogger(__name__)
 
 
 
@@ -59,12 +64,12 @@ def tree_to_tensors(tree: TokenTree, vocab_size: int) -> Tensors:
 def tensors_to_tree(t: Tensors) -> TokenTree:
     tokens, parents = np.asarray(t["tree_tokens"]).reshape(-1), np.asarray(t["tree_parents"]).reshape(-1)
     if len(tokens) == 0 or len(tokens) != len(parents) or parents[0] != -1:
-        raise SpecInferError("malformed tree: tokens and parents must have the same length, root first")
+        raise RequestError("malformed tree: tokens and parents must have the same length, root first")
     tree = TokenTree(int(tokens[0]))
     q = np.asarray(t["proposal_q"], dtype=np.float64)
     fields = [np.asarray(t[k]).reshape(-1) for k in ("proposal_node", "proposal_ssm", "proposal_rank", "proposal_q_row")]
     if len({len(f) for f in fields}) != 1 or ((fields[3] < -1) | (fields[3] >= len(q))).any():
-        raise SpecInferError("malformed tree: proposal fields of different lengths, or a q row out of range")
+        raise RequestError("malformed tree: proposal fields of different lengths, or a q row out of range")
     by_node: dict[int, list[Proposal]] = {}
     for node, ssm, rank, row in zip(*fields):
         by_node.setdefault(int(node), []).append(Proposal(int(ssm), int(rank), q[row] if row >= 0 else None))
@@ -73,7 +78,7 @@ def tensors_to_tree(t: Tensors) -> TokenTree:
         for p in props:  # the first add creates the node, the others add the other SSMs' proposals
             index = tree.add(int(parents[node]), int(tokens[node]), p)
         if index != node:
-            raise SpecInferError("malformed tree: nodes must be in topological order without duplicates")
+            raise RequestError("malformed tree: nodes must be in topological order without duplicates")
     return tree
 
 
@@ -81,22 +86,31 @@ def build_tree(root: int, trees: list[Tensors], budget: int, vocab_size: int) ->
     """The ``tree_builder`` model: merge the SSMs' trees under one node budget."""
     parsed = [tensors_to_tree(t) for t in trees]
     if any(p.tokens[0] != root for p in parsed):
-        raise SpecInferError("an SSM's tree does not start at the step's root")
+        raise RequestError("an SSM's tree does not start at the step's root")
     merged = merge(parsed, max(1, budget))[0] if parsed else TokenTree(root)
     return tree_to_tensors(merged, vocab_size)
 
 
 # --- the stateful models: drafts and verification --------------------------------------------------
 OPS = ("start", "step", "release")
+CALLER_KEY = "caller_key"    # the input that proves a request comes from the orchestrator
 
 
-def _op_and_sequence(t: Tensors) -> tuple[str, str]:
+def _op_and_sequence(t: Tensors, key: str | None) -> tuple[str, str]:
+    """A request's op and sequence id, after checking that the orchestrator sent it: the stateful
+    models hold KV memory per sequence, so only the orchestrator may open and release sequences."""
+    if key is not None:
+        given = t.get(CALLER_KEY)
+        given = as_text(np.asarray(given, dtype=object).reshape(-1)[0], CALLER_KEY) if given is not None else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise RequestError("this model is internal to specinfer's orchestrator: call ensemble, ensemble_fused "
+                                 "or ensemble_sync")
     for name in ("op", "sequence_id"):
         if t.get(name) is None:
-            raise SpecInferError(f"missing input '{name}'")
+            raise RequestError(f"missing input '{name}'")
     op = as_text(np.asarray(t["op"], dtype=object).reshape(-1)[0], "op")
     if op not in OPS:
-        raise SpecInferError(f"unknown op '{op}' (one of {', '.join(OPS)})")
+        raise RequestError(f"unknown op '{op}' (one of {', '.join(OPS)})")
     return op, as_text(np.asarray(t["sequence_id"], dtype=object).reshape(-1)[0], "sequence_id")
 
 
@@ -105,41 +119,69 @@ def _ids(t: Tensors, name: str) -> list[int]:
 
 
 class _Sequences:
-    """Per-sequence state of a model, safe under concurrent requests."""
+    """Per-sequence state of a model, safe under concurrent requests, with each one's last use (a
+    sequence its orchestrator forgot, because it died, is reclaimed once idle too long)."""
 
     def __init__(self):
         self.items: dict[Hashable, object] = {}
+        self.used: dict[Hashable, float] = {}
         self.lock = threading.Lock()
 
     def add(self, seq_id, item):
         with self.lock:
             if seq_id in self.items:
                 raise SpecInferError(f"sequence {seq_id!r} is already open")
-            self.items[seq_id] = item
+            self.items[seq_id], self.used[seq_id] = item, time.monotonic()
 
     def get(self, seq_id):
         with self.lock:
             if seq_id not in self.items:
-                raise SpecInferError(f"unknown sequence {seq_id!r} (never started, or released)")
+                raise SpecInferError(f"unknown sequence {seq_id!r} (never started, released, or idle too long)")
+            self.used[seq_id] = time.monotonic()
             return self.items[seq_id]
 
     def pop(self, seq_id):
         with self.lock:
+            self.used.pop(seq_id, None)
             return self.items.pop(seq_id, None)
+
+    def idle(self, seconds: float) -> list:
+        """The sequences unused for more than ``seconds``."""
+        now = time.monotonic()
+        with self.lock:
+            return [s for s, t in self.used.items() if now - t > seconds]
 
     def __len__(self):
         return len(self.items)
 
 
-class DraftModel:
+class _SequenceModel:
+    """What the stateful models share: the caller check, release and reclaiming idle sequences."""
+
+    sequences: _Sequences
+    key: str | None = None     # the orchestrator's key; None: any caller (in-process use, tests)
+
+    def release(self, seq_id) -> bool:
+        raise NotImplementedError
+
+    def reclaim(self, idle_seconds: float) -> int:
+        """Release the sequences idle for more than ``idle_seconds``; how many there were."""
+        return sum(self.release(s) for s in self.sequences.idle(idle_seconds))
+
+    def kv_bytes(self) -> int:
+        return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
+
+
+class DraftModel(_SequenceModel):
     """``ssm_<i>``: one SSM's sequences; a step commits last step's verdict, then drafts a tree.
 
     ``tree`` is the default tree spec; the dynamic tree needs ``step_cost``, the LLM's verification
     cost table (the repository measures it when it is written)."""
 
-    def __init__(self, runtime: Runtime, index: int, tree: str = DYNAMIC, step_cost: StepCost | None = None):
+    def __init__(self, runtime: Runtime, index: int, tree: str = DYNAMIC, step_cost: StepCost | None = None,
+                 key: str | None = None):
         parse_tree(tree)
-        self.runtime, self.index, self.default_tree = runtime, index, tree
+        self.runtime, self.index, self.default_tree, self.key = runtime, index, tree, key
         self.vocab_size = runtime.vocab_size
         self.sizer = TreeSizer(step_cost) if step_cost is not None else None
         self.sequences = _Sequences()
@@ -164,7 +206,7 @@ class DraftModel:
         """``tree``: the request's tree spec, None for the model's default."""
         widths = parse_tree(tree or self.default_tree)
         if widths is None and self.sizer is None:
-            raise SpecInferError("the dynamic tree needs the LLM's verification cost table, which this repository "
+            raise RequestError("the dynamic tree needs the LLM's verification cost table, which this repository "
                                  "lacks (`specinfer repo` measures it with the LLM's engine): ask for a fixed tree")
         drafter, rng = self.sequences.get(seq_id)
         if accepted:
@@ -180,7 +222,7 @@ class DraftModel:
 
     def handle(self, t: Tensors) -> Tensors:
         """One request of the ``ssm_<i>`` model: op start (prefill), step (commit + draft) or release."""
-        op, seq = _op_and_sequence(t)
+        op, seq = _op_and_sequence(t, self.key)
         if op == "start":
             self.start(seq, _ids(t, "tokens"), sampling_from(t))
         elif op == "release":
@@ -197,21 +239,19 @@ class DraftModel:
             item[0].release()
         return item is not None
 
-    def kv_bytes(self) -> int:
-        return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
-
 
 class LookupModel(DraftModel):
     """``lookup``: drafts by lookup in each sequence's own tokens (lookup.py) for the dynamic tree, a
     draft model beside the ``ssm_<i>`` ones with no model to run. A step with a fixed tree drafts
     nothing here (the lookup still learns the accepted tokens)."""
 
-    def __init__(self, index: int, vocab_size: int, step_cost: StepCost | None, tree: str = DYNAMIC):
+    def __init__(self, index: int, vocab_size: int, step_cost: StepCost | None, tree: str = DYNAMIC,
+                 key: str | None = None):
         if step_cost is None:
             raise SpecInferError("the lookup drafter sizes its drafts with the LLM's verification cost table, "
                                  "which this repository lacks")
         parse_tree(tree)
-        self.runtime, self.index, self.default_tree, self.vocab_size = None, index, tree, vocab_size
+        self.runtime, self.index, self.default_tree, self.vocab_size, self.key = None, index, tree, vocab_size, key
         self.sizer, self.sequences = TreeSizer(step_cost), _Sequences()
 
     def _drafter(self, seq_id, params: SamplingParams) -> LookupDrafter:
@@ -230,11 +270,11 @@ class LookupModel(DraftModel):
         return 0
 
 
-class VerifyModel:
+class VerifyModel(_SequenceModel):
     """``llm``: the LLM's sequences; a step scores the merged tree in one call, verifies, commits."""
 
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
+    def __init__(self, runtime: Runtime, key: str | None = None):
+        self.runtime, self.key = runtime, key
         self.sequences = _Sequences()
 
     def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
@@ -256,7 +296,7 @@ class VerifyModel:
 
     def handle(self, t: Tensors) -> Tensors:
         """One request of the ``llm`` model: op start (prefill), step (verify + commit) or release."""
-        op, seq = _op_and_sequence(t)
+        op, seq = _op_and_sequence(t, self.key)
         path, bonus, drafted = [], -1, 0
         if op == "start":
             self.start(seq, _ids(t, "tokens"), sampling_from(t))
@@ -274,9 +314,6 @@ class VerifyModel:
         self.runtime.release(seq_id)
         return rng is not None
 
-    def kv_bytes(self) -> int:
-        return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
-
 
 # --- the orchestrator --------------------------------------------------------------------------------
 class RemoteSpeculator:
@@ -284,8 +321,8 @@ class RemoteSpeculator:
     (Triton BLS in the server; plain method calls in tests)."""
 
     def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
-                 max_context: int, params: SamplingParams, tree: str | None, stats: Stats):
-        self.call, self.ssm_names, self.seq_id = call, ssm_names, seq_id
+                 max_context: int, params: SamplingParams, tree: str | None, stats: Stats, key: str | None = None):
+        self.call, self.ssm_names, self.seq_id, self.key = call, ssm_names, seq_id, key
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
         self.last_path: list[int] = []
@@ -297,6 +334,8 @@ class RemoteSpeculator:
              "top_p": np.array([self.params.top_p], dtype=np.float32)}
         if self.params.seed is not None:
             t["random_seed"] = np.array([self.params.seed], dtype=np.uint64)
+        if self.key is not None:
+            t[CALLER_KEY] = np.array([self.key.encode()], dtype=object)
         return t
 
     def start(self, prefix: list[int]) -> None:
@@ -323,8 +362,9 @@ class RemoteSpeculator:
         for name in self.started:
             try:
                 self.call(name, inputs)
-            except Exception:  # noqa: BLE001 - release every model even if one fails
-                pass
+            except Exception as e:  # noqa: BLE001 - release every model even if one fails; the model
+                # reclaims the sequence once idle, and the log says why it was left
+                log.warning("releasing sequence %s in %s failed: %s", self.seq_id, name, e)
         self.started = []
 
 
@@ -390,22 +430,26 @@ def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list
 
 
 class Orchestrator:
-    """The ``specinfer`` model: reads a request, runs the loop, yields response tensors."""
+    """The client-facing model (``ensemble``, ``ensemble_fused``, ``ensemble_sync``): text in,
+    speculation loop, text out. Tokenizing and detokenizing in the same process as the loop is
+    what lets a client's cancel reach the loop (Triton does not pass a cancel on to a request that
+    an ensemble step already runs)."""
 
-    def __init__(self, tokenizer, max_context: int, eos_ids: list[int],
+    def __init__(self, tokenizer, max_context: int, eos_ids: list[int], vocab_size: int,
                  make_speculator: Callable[[GenerationRequest, Stats], object], budget: int = DEFAULT_BUDGET):
         self.tokenizer, self.max_context, self.eos_ids = tokenizer, max_context, list(eos_ids)
-        self.make_speculator, self.budget = make_speculator, budget
+        self.vocab_size, self.make_speculator, self.budget = vocab_size, make_speculator, budget
 
     def run(self, inputs: Tensors, cancelled: Callable[[], bool] = lambda: False,
             stats: Stats | None = None) -> Iterator[tuple[Tensors, bool]]:
         """Yield (response tensors, final) pairs; the last one is final."""
-        request = read_request(inputs, self.max_context)
+        request = read_request(inputs, self.max_context, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         stats = stats if stats is not None else Stats()
         speculator = self.make_speculator(request, stats)
         for piece in run_request(speculator, request, self.tokenizer, self.eos_ids, self.budget, cancelled, stats):
             # The statistics are cumulative: sent once, with the final response (and empty before it,
             # so that every response has every output).
             stats_out = stats_tensors(piece.stats if piece.final else Stats())
-            yield ({"output_ids": np.asarray(piece.output_ids, dtype=np.int64),
-                    "context_ids": np.asarray(piece.context_ids, dtype=np.int64)} | stats_out, piece.final)
+            text = decode_piece(self.tokenizer, piece.context_ids, piece.output_ids)
+            yield ({"text_output": np.array([text.encode()], dtype=object),
+                    "output_ids": np.asarray(piece.output_ids, dtype=np.int64)} | stats_out, piece.final)

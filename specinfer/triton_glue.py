@@ -6,13 +6,16 @@ inside Triton's stub process), so this module imports without Triton.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .errors import SpecInferError
+from .errors import RequestError, ServerStopping, SpecInferError
 
 Tensors = dict[str, np.ndarray]
 
@@ -41,22 +44,30 @@ def response(pb, tensors: Tensors):
     return pb.InferenceResponse([pb.Tensor(k, np.ascontiguousarray(v)) for k, v in tensors.items()])
 
 
-def error(pb, exc: BaseException):
-    """A request's failure as an error response that names the problem; the server keeps serving."""
+def error(pb, exc: BaseException, model: str | None = None):
+    """A request's failure as an error response; the server keeps serving. The client's mistake (a
+    RequestError) is INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT) with its message; anything else
+    is INTERNAL and logged: a SpecInferError keeps its one-line message, other exceptions say only
+    where they happened (``model``), their text and traceback go to the server log alone."""
+    if isinstance(exc, RequestError):
+        return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
+    if isinstance(exc, ServerStopping):
+        return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.UNAVAILABLE))
     if isinstance(exc, SpecInferError):
         message = str(exc)
+        pb.Logger.log_error(message)
     else:
-        message = f"internal error: {type(exc).__name__}: {exc}"
-        pb.Logger.log_error(traceback.format_exc())
-    return pb.InferenceResponse(error=pb.TritonError(message))
+        message = f"internal error{f' in {model}' if model else ''}; see the server log"
+        pb.Logger.log_error(f"{message}\n{''.join(traceback.format_exception(exc))}")
+    return pb.InferenceResponse(error=pb.TritonError(message, pb.TritonError.INTERNAL))
 
 
-def handle(pb, request, names: list[str], fn: Callable[[Tensors], Tensors]):
-    """Run ``fn`` on a request's inputs; a response, or an error response."""
+def handle(pb, request, names: list[str], fn: Callable[[Tensors], Tensors], model: str | None = None):
+    """Run ``fn`` on a request's inputs; a response, or an error response (see :func:`error`)."""
     try:
         return response(pb, fn(read(pb, request, names)))
     except Exception as e:  # noqa: BLE001 - every failure becomes this request's error, not the server's
-        return error(pb, e)
+        return error(pb, e, model)
 
 
 def bls(pb, model: str, inputs: Tensors) -> Tensors:
@@ -65,7 +76,11 @@ def bls(pb, model: str, inputs: Tensors) -> Tensors:
                                   requested_output_names=[])
     result = request.exec()
     if result.has_error():
-        raise SpecInferError(f"{model}: {result.error().message()}")
+        # The called model's INVALID_ARG comes from the client's input (a tree spec, a sampling
+        # parameter): it stays the client's error. Its other errors are the server's.
+        err = result.error()
+        kind = RequestError if err.code() == pb.TritonError.INVALID_ARG else SpecInferError
+        raise kind(f"{model}: {err.message()}")
     return {t.name(): t.as_numpy() for t in result.output_tensors()}
 
 
@@ -83,14 +98,17 @@ class Metrics:
             F("specinfer_kv_bytes", "Bytes of KV cache this model holds", F.GAUGE),
             F("specinfer_step_seconds", "Time of one draft (ssm models) or verification (llm) step", F.HISTOGRAM),
             F("specinfer_accepted_tokens_per_step", "Tokens one verification step emits (accepted + bonus)", F.HISTOGRAM),
+            F("specinfer_reclaimed_sequences_total", "Sequences released because they were idle too long", F.COUNTER),
         ]
         self.active = self._families[0].Metric(labels=labels)
         self.kv_bytes = self._families[1].Metric(labels=labels)
         self.step_seconds = self._families[2].Metric(labels=labels, buckets=self.TIME_BUCKETS)
         self.accepted = self._families[3].Metric(labels=labels, buckets=self.ACCEPT_BUCKETS)
+        self.reclaimed = self._families[4].Metric(labels=labels)
 
     def update(self, model) -> None:
-        """Gauges from a serving model's state (DraftModel or VerifyModel)."""
+        """Gauges from a serving model's state (DraftModel or VerifyModel; or the fused
+        orchestrator, whose ``sequences`` and ``kv_bytes`` cover its models)."""
         self.active.set(len(model.sequences))
         self.kv_bytes.set(model.kv_bytes())
 
@@ -100,3 +118,60 @@ def timed(fn: Callable[[], Tensors], metric) -> Tensors:
     out = fn()
     metric.observe(time.perf_counter() - start)
     return out
+
+
+# --- the serving process's own state: the orchestrator's key, stopping, idle sequences ---------------
+KEY_FILE = "caller.key"   # in the repository: the orchestrator's key to the stateful models
+
+
+def caller_key(args: dict) -> str:
+    """The key the orchestrator sends and the stateful models check (written by ``specinfer repo``,
+    readable by its owner only; clients never see it)."""
+    return (Path(args["model_repository"]).parent / KEY_FILE).read_text().strip()
+
+
+def stopping() -> bool:
+    """Whether the server is stopping: ``specinfer serve`` creates the file named in
+    ``SPECINFER_STOP_FILE`` before it stops tritonserver, so that running streams end with a clear
+    error at once, not when the server's grace period cuts them."""
+    path = os.environ.get("SPECINFER_STOP_FILE")
+    return bool(path) and os.path.exists(path)
+
+
+def reclaim_idle(model, lock: threading.Lock, idle_seconds: float, metrics: "Metrics") -> threading.Thread:
+    """Start a thread that releases the sequences of ``model`` idle for more than ``idle_seconds``
+    (their orchestrator died or lost them), counted in ``specinfer_reclaimed_sequences_total``.
+    ``lock`` is the one ``execute`` holds, so a release never runs beside a step."""
+    def loop():
+        while True:
+            time.sleep(max(1.0, idle_seconds / 4))
+            with lock:
+                n = model.reclaim(idle_seconds)
+                metrics.update(model)
+            if n:
+                metrics.reclaimed.increment(n)
+    thread = threading.Thread(target=loop, daemon=True, name="reclaim-idle")
+    thread.start()
+    return thread
+
+
+class MeteredSpeculator:
+    """A speculator whose steps feed a model's step-time and accepted-tokens metrics (the fused
+    orchestrator runs its models in process, and reports what the ``llm`` model reports)."""
+
+    def __init__(self, speculator, metrics: "Metrics"):
+        self.inner, self.metrics = speculator, metrics
+        self.max_context = speculator.max_context
+
+    def start(self, prefix: list[int]) -> None:
+        self.inner.start(prefix)
+
+    def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        start = time.perf_counter()
+        path, bonus = self.inner.step(root, budget)
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.accepted.observe(len(path))   # accepted speculation + bonus
+        return path, bonus
+
+    def release(self) -> None:
+        self.inner.release()

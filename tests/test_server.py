@@ -96,8 +96,7 @@ def test_http_generate_and_stream_equal_in_process(triton_server, expected, mode
 @pytest.mark.parametrize("model", ["ensemble", "ensemble_fused"])
 def test_dynamic_tree_with_lookup_equals_in_process(triton_server, expected, model):
     """The dynamic tree, drafted by the SSMs and by the `lookup` draft model (or, fused, in process)."""
-    status, text = post(triton_server, "/v2/repository/index", {})
-    assert status == 200 and "lookup" in {m["name"] for m in json.loads(text)}
+    assert (triton_server.repository / "lookup" / "config.pbtxt").is_file()
     for prompt in PROMPTS[:4]:
         status, body = generate(triton_server, model, text_input=prompt, tree="dynamic")
         assert status == 200, body
@@ -195,23 +194,79 @@ def test_invalid_utf8_and_unknown_model(triton_server, expected):
     assert generate(triton_server, text_input=PROMPTS[2])[1]["text_output"] == expected[PROMPTS[2]]
 
 
-def test_disconnect_releases_state_and_others_finish(triton_server, expected):
+def steps_taken(server, model):
+    """Verification steps the model has run (the count of its accepted-tokens histogram)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    count = re.search(rf'^specinfer_accepted_tokens_per_step_count{{model="{model}"}} (\S+)$', text, re.M)
+    return float(count.group(1)) if count else 0.0
+
+
+def drop_http_stream(server, model, prompt, max_tokens):
+    """Open /generate_stream, read the first event, and drop the connection."""
+    import http.client
+    host, port = server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(
+        {"text_input": prompt, "max_tokens": max_tokens, "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    while not response.fp.readline().startswith(b"data:"):
+        pass
+    conn.sock.shutdown(2)
+    conn.close()
+    return ["dropped"]
+
+
+@pytest.mark.parametrize("model, how", [("ensemble", "grpc"), ("ensemble_fused", "grpc"), ("ensemble", "http")])
+def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, expected, model, how):
+    """A cancelled stream (gRPC cancel, or a dropped /generate_stream connection) ends its loop
+    within a step or so: its sequences and KV are freed, long before max_tokens would be reached."""
+    stateful = ["llm", "ssm_0", "ssm_1"] if model == "ensemble" else ["ensemble_fused"]
+    counter = "llm" if model == "ensemble" else "ensemble_fused"
+    before = steps_taken(triton_server, counter)
     other = {}
-    runner = threading.Thread(target=lambda: other.update(text="".join(grpc_stream(triton_server, PROMPTS[3]))))
+    runner = threading.Thread(target=lambda: other.update(text="".join(grpc_stream(triton_server, PROMPTS[3], model))))
     runner.start()
-    pieces = grpc_stream(triton_server, PROMPTS[4], cancel_after=1, max_tokens=np.array([200], np.int32))
+    runner.join(timeout=300)
+    alone = steps_taken(triton_server, counter) - before    # the steps of one whole request of N tokens
+    before = steps_taken(triton_server, counter)
+    runner = threading.Thread(target=lambda: other.update(text="".join(grpc_stream(triton_server, PROMPTS[3], model))))
+    runner.start()
+    long = 200     # the context is 256: a request of ~200 tokens takes many times the steps of one of N
+    if how == "grpc":
+        pieces = grpc_stream(triton_server, PROMPTS[4], model, cancel_after=1, max_tokens=np.array([long], np.int32))
+    else:
+        pieces = drop_http_stream(triton_server, model, PROMPTS[4], long)
     assert pieces
+    cancelled_at = time.monotonic()
+    while time.monotonic() < cancelled_at + 30 and any(metric(triton_server, "specinfer_active_sequences", m)
+                                                       for m in stateful):
+        time.sleep(0.05)
+    freed_after = time.monotonic() - cancelled_at
     runner.join(timeout=300)
     assert other["text"] == expected[PROMPTS[3]]
-    models = ["llm", "ssm_0", "ssm_1"]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(metric(triton_server, "specinfer_active_sequences", m) for m in models):
-        time.sleep(0.5)
-    assert [metric(triton_server, "specinfer_active_sequences", m) for m in models] == [0, 0, 0]
-    assert metric(triton_server, "specinfer_kv_bytes", "llm") == 0
-    text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
-    count = re.search(r'^specinfer_accepted_tokens_per_step_count{model="llm"} (\S+)$', text, re.M)
-    assert count and float(count.group(1)) > 0
+    assert [metric(triton_server, "specinfer_active_sequences", m) for m in stateful] == [0] * len(stateful)
+    assert all(metric(triton_server, "specinfer_kv_bytes", m) == 0 for m in stateful)
+    # the cancelled request ran a few steps (those until the cancel reached the server: a fused step
+    # takes milliseconds), far fewer than its 200 tokens need; the other request took `alone`
+    cancelled_steps = steps_taken(triton_server, counter) - before - alone
+    assert cancelled_steps < 0.25 * long / N * alone, (cancelled_steps, alone, freed_after)
+
+
+def test_internal_models_refuse_clients(triton_server):
+    """Only the orchestrator opens sequences in llm and ssm_<i>: a client's op=start is refused."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    for model in ("llm", "ssm_0", "lookup"):
+        inputs = []
+        for name, value in (("op", b"start"), ("sequence_id", b"made-up"), ("caller_key", b"guess")):
+            t = grpcclient.InferInput(name, [1], "BYTES")
+            t.set_data_from_numpy(np.array([value], dtype=object))
+            inputs.append(t)
+        with pytest.raises(InferenceServerException, match="internal to specinfer's orchestrator"):
+            client.infer(model, inputs)
+    assert metric(triton_server, "specinfer_active_sequences", "llm") == 0
 
 
 def test_specinfer_serve_starts_answers_and_stops_on_ctrl_c(triton_server, tmp_path):

@@ -1,6 +1,7 @@
 """The serving layer without a server: request validation, trees as tensors, and the whole
 orchestration over in-process model objects wired as the spec_step ensemble wires them."""
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +13,7 @@ from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import SpecInferError
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
-from specinfer.request import postprocess, preprocess, read_request
+from specinfer.request import read_request
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
                                tensors_to_tree, tree_to_tensors)
 from specinfer.text import TextStream, decode_piece, load_tokenizer
@@ -47,14 +48,14 @@ def test_bad_requests_name_the_problem(inputs, message):
     assert message in str(e.value)
 
 
-def test_preprocessing_errors(served_pair):
+def test_text_input_errors(served_pair):
     tok = load_tokenizer(served_pair["llm"])
     for inputs, message in [({}, "missing input 'text_input'"), ({"text_input": np.array([b""], object)}, "is empty"),
                             ({"text_input": np.array([b"ab\xc3"], object)}, "not valid UTF-8"),
                             ({"text_input": np.array([b"a", b"b"], object)}, "must hold one string")]:
         with pytest.raises(SpecInferError, match=message):
-            preprocess(tok, inputs)
-    assert preprocess(tok, {"text_input": np.array([b"def f"], object)})["input_ids"].tolist() == tok.encode("def f").ids
+            read_request(inputs, 256, tokenizer=tok)
+    assert read_request({"text_input": np.array([b"def f"], object)}, 256, tokenizer=tok).prompt == tok.encode("def f").ids
 
 
 def test_streamed_text_is_utf8_safe(served_pair):
@@ -65,13 +66,12 @@ def test_streamed_text_is_utf8_safe(served_pair):
     for t in token_ids:
         piece = stream.push([t])
         assert "\ufffd" not in piece
-        if piece:  # what postprocessing makes of the window is the same piece
+        if piece:  # what the orchestrator makes of the window is the same piece
             assert decode_piece(tok, *stream.window) == piece
             pieces.append(piece)
     pieces.append(stream.flush())
     assert "".join(pieces) == text
-    out = postprocess(tok, {"output_ids": np.asarray(token_ids), "context_ids": np.zeros(0, np.int64)})
-    assert out["text_output"][0].decode() == text
+    assert decode_piece(tok, [], token_ids) == text
 
 
 def test_tree_tensors_round_trip():
@@ -134,12 +134,15 @@ def orchestrator(models, cancel_after=None):
     make = lambda req, stats: RemoteSpeculator(local_call(verify_model, draft_models), names,
                                                f"seq-{next(counter)}-{threading.get_ident()}", llm.max_context,
                                                req.params, req.tree, stats)
-    return Orchestrator(tok, llm.max_context, list(llm.config.eos_token_ids), make), tok
+    return Orchestrator(tok, llm.max_context, list(llm.config.eos_token_ids), llm.vocab_size, make), tok
 
 
 def request(tok, text, **extra):
-    return {"input_ids": np.asarray(tok.encode(text).ids, dtype=np.int64),
-            "max_tokens": np.array([40], np.int32)} | extra
+    return {"text_input": np.array([text.encode()], dtype=object), "max_tokens": np.array([40], np.int32)} | extra
+
+
+def text_of(response) -> str:
+    return response["text_output"][0].decode()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +165,7 @@ def test_orchestration_equals_in_process_greedy(models, models_with_lookup, stre
         responses = list(orch.run(request(tok, text, stream=np.array([stream]), exclude_input_in_output=np.array([True]),
                                           **extra)))
         assert [final for _, final in responses] == [False] * (len(responses) - 1) + [True]
-        pieces = [postprocess(tok, t)["text_output"][0].decode() for t, _ in responses]
+        pieces = [text_of(t) for t, _ in responses]
         assert "".join(pieces) == tok.decode(want)
         steps = [int(x) for x in responses[-1][0]["accepted_tokens_per_step"][0].decode().split(",")]
         assert sum(steps) == len(want)
@@ -184,12 +187,12 @@ def test_dynamic_tree_needs_a_cost_table(served_pair):
 def test_prompt_in_output_end_id_and_stop_words(models):
     orch, tok = orchestrator(models)
     (full, _), = orch.run(request(tok, "def f(x):"))
-    text = postprocess(tok, full)["text_output"][0].decode()
+    text = text_of(full)
     assert text.startswith("def f(x):")
     generated = text[len("def f(x):"):]
     word = generated[5:8]
     (stopped, _), = orch.run(request(tok, "def f(x):", stop_words=np.array([word.encode()], object)))
-    stopped_text = postprocess(tok, stopped)["text_output"][0].decode()
+    stopped_text = text_of(stopped)
     assert word in stopped_text and len(stopped_text) < len(text)
     # the output ends with the token that completes the stop word: without it, no stop word
     without_last = tok.decode(stopped["output_ids"].tolist()[:-1])
@@ -279,3 +282,32 @@ def test_a_wrong_q_on_the_wire_fails_the_same_test(tiny_vocab, monkeypatch):
     params = SamplingParams(temperature=1.0)
     counts = served_first_two(tiny_vocab, params, 64)
     assert chi_square_p(counts, transformers_first_two(tiny_vocab[1][0], [3, 1, 4], params)) < 1e-6
+
+
+# --- the stateful models' own protection: only the orchestrator, and no sequence kept forever --------
+def test_stateful_models_answer_only_the_orchestrator(served_pair):
+    llm = OrtRuntime(served_pair["llm"])
+    model = VerifyModel(llm, key="secret")
+    start = {"op": np.array([b"start"], object), "sequence_id": np.array([b"s1"], object), "tokens": ids(1, 2, 3)}
+    for key in (None, b"guess", b""):
+        with pytest.raises(SpecInferError, match="internal to specinfer's orchestrator"):
+            model.handle(start | ({} if key is None else {"caller_key": np.array([key], object)}))
+    assert len(model.sequences) == 0 and llm.sequences() == []
+    model.handle(start | {"caller_key": np.array([b"secret"], object)})   # what RemoteSpeculator sends
+    assert len(model.sequences) == 1
+    model.release("s1")
+
+
+def test_idle_sequences_are_reclaimed(served_pair):
+    ssm = OrtRuntime(served_pair["ssms"][0])
+    model = DraftModel(ssm, 0, "2,1")
+    model.start("forgotten", [1, 2, 3], SamplingParams())
+    model.start("busy", [1, 2, 3], SamplingParams())
+    time.sleep(0.05)
+    model.step("busy", [], 4, SamplingParams(), 8)      # used just now
+    assert model.reclaim(idle_seconds=0.03) == 1
+    assert list(model.sequences.items) == ["busy"] and ssm.sequences() == ["busy"]
+    with pytest.raises(SpecInferError, match="idle too long"):
+        model.step("forgotten", [], 4, SamplingParams(), 8)
+    assert model.reclaim(idle_seconds=60) == 0
+    model.release("busy")

@@ -8,21 +8,24 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 
 import triton_python_backend_utils as pb  # noqa: E402
 
-import numpy as np  # noqa: E402
+import threading  # noqa: E402
 
 from specinfer import triton_glue as glue  # noqa: E402
 from specinfer.engines.loader import load_runtime  # noqa: E402
 from specinfer.serving import VerifyModel  # noqa: E402
 
-INPUTS = ["op", "sequence_id", "tokens", "tree_tokens", "tree_parents", "proposal_node", "proposal_ssm",
+INPUTS = ["op", "sequence_id", "caller_key", "tokens", "tree_tokens", "tree_parents", "proposal_node", "proposal_ssm",
           "proposal_rank", "proposal_q_row", "proposal_q", "temperature", "top_k", "top_p", "random_seed"]
 
 
 class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
-        self.model = VerifyModel(load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None))
+        self.model = VerifyModel(load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None),
+                                 key=glue.caller_key(args))
         self.metrics = glue.Metrics(pb, args["model_name"])
+        self.lock = threading.Lock()
+        glue.reclaim_idle(self.model, self.lock, float(p["idle_timeout"]), self.metrics)
 
     def run(self, t):
         out = glue.timed(lambda: self.model.handle(t), self.metrics.step_seconds)
@@ -31,6 +34,7 @@ class TritonPythonModel:
         return out
 
     def execute(self, requests):
-        out = [glue.handle(pb, r, INPUTS, self.run) for r in requests]
-        self.metrics.update(self.model)
+        with self.lock:
+            out = [glue.handle(pb, r, INPUTS, self.run, "llm") for r in requests]
+            self.metrics.update(self.model)
         return out

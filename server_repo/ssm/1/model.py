@@ -3,6 +3,7 @@ The same with parameter drafter "lookup": the ``lookup`` draft model, which runs
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 # Triton's Python stub embeds its own interpreter, which ignores PYTHONPATH: `specinfer serve`
@@ -16,22 +17,27 @@ from specinfer.engines.loader import load_runtime  # noqa: E402
 from specinfer.serving import DraftModel, LookupModel  # noqa: E402
 from specinfer.tree_sizing import StepCost  # noqa: E402
 
-INPUTS = ["op", "sequence_id", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed"]
+INPUTS = ["op", "sequence_id", "caller_key", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed"]
 
 
 class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
+        key, self.name = glue.caller_key(args), args["model_name"]
         cost = StepCost.from_dict(json.loads(Path(p["step_cost"]).read_text())) if p.get("step_cost") else None
         if p.get("drafter") == "lookup":
-            self.model = LookupModel(int(p["index"]), int(p["vocab_size"]), cost, p["tree"])
+            self.model = LookupModel(int(p["index"]), int(p["vocab_size"]), cost, p["tree"], key=key)
         else:
             runtime = load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None)
-            self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost)
+            self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost, key=key)
         self.metrics = glue.Metrics(pb, args["model_name"])
+        self.lock = threading.Lock()
+        glue.reclaim_idle(self.model, self.lock, float(p["idle_timeout"]), self.metrics)
 
     def execute(self, requests):
-        out = [glue.handle(pb, r, INPUTS, lambda t: glue.timed(lambda: self.model.handle(t), self.metrics.step_seconds))
-               for r in requests]
-        self.metrics.update(self.model)
+        with self.lock:
+            out = [glue.handle(pb, r, INPUTS, lambda t: glue.timed(lambda: self.model.handle(t), self.metrics.step_seconds),
+                               self.name)
+                   for r in requests]
+            self.metrics.update(self.model)
         return out

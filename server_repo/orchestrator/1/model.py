@@ -1,0 +1,118 @@
+"""ensemble, ensemble_fused, ensemble_sync: the orchestrator. Tokenize, prefill, then one
+speculation step after another until a stop condition, streaming text as tokens are accepted
+(decoupled) or answering once (not decoupled).
+
+mode "ensemble": each step is one BLS call of the spec_step ensemble (ssm_<i> -> tree_builder -> llm).
+mode "fused": draft, tree construction and verification run in this process (lowest latency).
+Requests run on threads of their own, so one instance serves many sequences at once. A client's
+cancel, or the server stopping, ends a request's loop at its next step and frees its sequences.
+"""
+import os
+import sys
+
+# Triton's Python stub embeds its own interpreter, which ignores PYTHONPATH: `specinfer serve`
+# passes the package folders of its environment in SPECINFER_PYTHONPATH.
+sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+
+import triton_python_backend_utils as pb  # noqa: E402
+
+import threading  # noqa: E402
+import uuid  # noqa: E402
+
+from specinfer import triton_glue as glue  # noqa: E402
+from specinfer.engines.loader import load_runtime, onnx_folder  # noqa: E402
+from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
+from specinfer.errors import RequestError, ServerStopping  # noqa: E402
+from specinfer.generate import LocalSpeculator  # noqa: E402
+from specinfer.serving import Orchestrator, RemoteSpeculator  # noqa: E402
+from specinfer.speculate import parse_tree  # noqa: E402
+from specinfer.text import load_tokenizer  # noqa: E402
+
+INPUTS = ["text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
+          "stop_words", "exclude_input_in_output", "tree"]
+
+
+class FusedModels:
+    """The fused mode's LLM and SSMs, in this process; its sequences and KV for the metrics."""
+
+    def __init__(self, p):
+        threads = int(p["threads"]) or None
+        self.llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
+        self.ssms = [load_runtime(d, p["engine"], threads=threads) for d in p["ssm_dirs"].split(os.pathsep) if d]
+
+    @property
+    def sequences(self) -> list:
+        return self.llm.sequences()
+
+    def kv_bytes(self) -> int:
+        return sum(rt.kv_bytes(s) for rt in [self.llm] + self.ssms for s in rt.sequences())
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = glue.parameters(args)
+        self.name = args["model_name"]
+        self.decoupled = glue.is_decoupled(pb, args)
+        tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
+        lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
+        self.fused = None
+        if p["mode"] == "fused":
+            self.fused = fused = FusedModels(p)
+            self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
+            max_context, eos_ids, vocab = fused.llm.max_context, list(fused.llm.config.eos_token_ids), fused.llm.vocab_size
+            make = lambda req, stats: glue.MeteredSpeculator(
+                LocalSpeculator(fused.llm, fused.ssms, parse_tree(req.tree or tree), req.params, stats,
+                                seq_id=uuid.uuid4().hex, lookup=lookup), self.metrics)
+        else:
+            manifest = read_manifest(onnx_folder(p["llm_dir"]))
+            max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
+            vocab = manifest["config"]["vocab_size"]
+            names = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
+            call = lambda model, inputs: glue.bls(pb, model, inputs)
+            key = glue.caller_key(args)
+            make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
+                                                       req.tree or tree, stats, key=key)
+        self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, vocab, make,
+                                         int(p["budget"]))
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return [self.answer(r) for r in requests]
+        for r in requests:
+            threading.Thread(target=self.stream, args=(r,), daemon=True).start()
+        return None
+
+    def ended(self, cancelled=lambda: False) -> bool:
+        """Whether a request's loop should end now: its client cancelled, or the server is stopping."""
+        if glue.stopping():
+            raise ServerStopping("the server is stopping: the request ended early")
+        return cancelled()
+
+    def update_metrics(self):
+        if self.fused is not None:
+            self.metrics.update(self.fused)
+
+    def answer(self, request):
+        try:
+            inputs = glue.read(pb, request, INPUTS)
+            if inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
+                raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
+            *_, (tensors, _) = self.orchestrator.run(inputs, lambda: self.ended(request.is_cancelled))
+            return glue.response(pb, tensors)
+        except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
+            return glue.error(pb, e, self.name)
+        finally:
+            self.update_metrics()
+
+    def stream(self, request):
+        sender = request.get_response_sender()
+        try:
+            self.update_metrics()
+            for tensors, final in self.orchestrator.run(glue.read(pb, request, INPUTS),
+                                                        lambda: self.ended(sender.is_cancelled)):
+                self.update_metrics()
+                sender.send(glue.response(pb, tensors), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as e:  # noqa: BLE001
+            sender.send(glue.error(pb, e, self.name), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            self.update_metrics()

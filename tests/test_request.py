@@ -1,0 +1,273 @@
+"""Reading a generation request: every field checked against its range, long texts refused before
+they are tokenized, and each failure answered with the right Triton error code (no server)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import VOCAB, make_tokenizer
+from specinfer import triton_glue as glue
+from specinfer.errors import RequestError, SpecInferError
+from specinfer.request import MAX_SEED, longest_token_bytes, read_request, sampling_from
+from specinfer.text import load_tokenizer
+
+CONTEXT = 256
+
+
+def ids(*values):
+    return np.asarray(values, dtype=np.int64)
+
+
+def one(value, dtype):
+    return np.array([value], dtype=dtype)
+
+
+def text(s) -> np.ndarray:
+    return np.array([s.encode() if isinstance(s, str) else s], dtype=object)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+class Counting:
+    """A tokenizer that counts its encode calls."""
+
+    def __init__(self, inner):
+        self.inner, self.encodes = inner, 0
+
+    def get_vocab(self, with_added_tokens: bool = True):
+        return self.inner.get_vocab(with_added_tokens=with_added_tokens)
+
+    def encode(self, s):
+        self.encodes += 1
+        return self.inner.encode(s)
+
+
+PROMPT = {"input_ids": ids(1, 2)}
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"max_tokens": one(0, np.int32)}, "'max_tokens' must be in 1..256"),
+    ({"max_tokens": one(257, np.int32)}, "'max_tokens' must be in 1..256"),
+    ({"max_tokens": one(4294967304, np.int64)}, "'max_tokens' must be in 1..256"),
+    ({"temperature": one(-1, np.float32)}, "temperature must be >= 0 and finite, got -1.0"),
+    ({"temperature": one(np.inf, np.float32)}, "temperature must be >= 0 and finite, got inf"),  # a JSON 1e39
+    ({"temperature": one(np.nan, np.float32)}, "temperature must be >= 0 and finite, got nan"),
+    ({"top_k": one(-1, np.int32)}, "'top_k' must be in 0..320"),
+    ({"top_k": one(VOCAB + 1, np.int32)}, "'top_k' must be in 0..320"),
+    ({"top_p": one(0, np.float32)}, "top_p must be in (0, 1]"),
+    ({"top_p": one(1.5, np.float32)}, "top_p must be in (0, 1]"),
+    ({"top_p": one(np.nan, np.float32)}, "top_p must be in (0, 1]"),
+    ({"end_id": one(-1, np.int32)}, "'end_id' must be in 0..319"),
+    ({"end_id": one(VOCAB, np.int32)}, "'end_id' must be in 0..319"),
+    ({"random_seed": one(2**64 - 1, np.uint64)}, f"'random_seed' must be in 0..{MAX_SEED}, got {2**64 - 1}"),
+    ({"random_seed": one(-1, np.int64)}, f"'random_seed' must be in 0..{MAX_SEED}, got -1"),
+    ({"stop_words": np.array([b"w"] * 17, object)}, "'stop_words' holds 17 words; at most 16"),
+    ({"stop_words": np.array([b"ok", b"x" * 257], object)}, "'stop_words' word 1 is 257 bytes; at most 256"),
+    ({"tree": text("1," * 64 + "1")}, "'tree' may have at most 64 depths"),
+    ({"tree": text("1,257")}, "widths in 1..256, got 2 depths, widest 257"),
+    ({"tree": text("1" * 300)}, "'tree' is 300 bytes; at most 256"),
+    ({"tree": np.array([b"1", b"2"], object)}, "'tree' must hold one string"),
+    ({"tree": text("1,0")}, "tree widths must all be >= 1"),
+    ({"input_ids": ids(1, -1)}, "'input_ids' must be token ids in 0..319, got -1"),
+    ({"input_ids": ids(1, VOCAB)}, "'input_ids' must be token ids in 0..319, got 320"),
+])
+def test_every_field_is_checked_against_its_range(extra, message):
+    with pytest.raises(RequestError) as e:
+        read_request(PROMPT | extra, CONTEXT, vocab_size=VOCAB)
+    assert message in str(e.value)
+
+
+def test_values_at_the_ends_of_their_ranges_are_accepted():
+    request = read_request(PROMPT | {
+        "max_tokens": one(CONTEXT, np.int32), "temperature": one(3.0e38, np.float32), "top_k": one(VOCAB, np.int32),
+        "top_p": one(1.0, np.float32), "end_id": one(VOCAB - 1, np.int32), "random_seed": one(MAX_SEED, np.uint64),
+        "stop_words": np.array([b"x" * 256] * 16, object), "tree": text(",".join(["256"] * 64)),
+        "input_ids": ids(0, VOCAB - 1)}, CONTEXT, vocab_size=VOCAB)
+    assert (request.max_tokens, request.params.top_k, request.end_id, request.params.seed) == \
+        (CONTEXT, VOCAB, VOCAB - 1, MAX_SEED)
+    assert len(request.stop_words) == 16 and request.prompt == [0, VOCAB - 1]
+
+
+def test_without_a_vocabulary_only_the_lower_ends_are_checked():
+    request = read_request(PROMPT | {"end_id": one(10**6, np.int32), "top_k": one(10**6, np.int32)}, CONTEXT)
+    assert (request.end_id, request.params.top_k) == (10**6, 10**6)
+    with pytest.raises(RequestError, match="'top_k' must be >= 0"):
+        read_request(PROMPT | {"top_k": one(-1, np.int32)}, CONTEXT)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"random_seed": one(2**64 - 1, np.uint64)}, "'random_seed' must be in 0.."),
+    ({"temperature": one(np.inf, np.float32)}, "temperature must be >= 0 and finite"),
+    ({"top_k": one(VOCAB + 1, np.int32)}, "'top_k' must be in 0..320"),
+])
+def test_the_internal_models_check_sampling_parameters_the_same_way(extra, message):
+    with pytest.raises(RequestError, match=message.replace("(", r"\(")):
+        sampling_from(extra, VOCAB)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({}, "missing input 'text_input'"),
+    ({"text_input": text("")}, "'text_input' is empty"),
+    ({"text_input": text(b"ab\xc3")}, "'text_input' is not valid UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], object)}, "'text_input' must hold one string"),
+    ({"text_input": text("x " * 600)}, "the prompt has"),
+])
+def test_text_input_errors_name_it(tokenizer, inputs, message):
+    with pytest.raises(RequestError, match=message):
+        read_request(inputs, CONTEXT, tokenizer=tokenizer, vocab_size=VOCAB)
+
+
+def test_text_input_is_tokenized(tokenizer):
+    request = read_request({"text_input": text("def f(x):")}, CONTEXT, tokenizer=tokenizer, vocab_size=VOCAB)
+    assert request.prompt == tokenizer.encode("def f(x):").ids
+    # without text_input, the ids the client sent
+    assert read_request(PROMPT, CONTEXT, tokenizer=tokenizer).prompt == [1, 2]
+
+
+def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized(tokenizer):
+    counting = Counting(tokenizer)
+    limit = CONTEXT * longest_token_bytes(tokenizer)
+    huge = "x" * 10_000_000
+    with pytest.raises(RequestError) as e:
+        read_request({"text_input": text(huge)}, CONTEXT, tokenizer=counting)
+    assert str(e.value) == (f"'text_input' is 10000000 bytes; at most {limit} bytes can fit the context "
+                            f"of {CONTEXT} tokens")
+    assert counting.encodes == 0
+    # A text at the cap is tokenized (it cannot fit either: the prompt-length check says so).
+    with pytest.raises(RequestError, match=f"the prompt has .* tokens; the context holds {CONTEXT}"):
+        read_request({"text_input": text("é" * (limit // 2))}, CONTEXT, tokenizer=counting)
+    assert counting.encodes == 1
+
+
+def test_the_byte_cap_never_refuses_a_text_that_fits(tokenizer):
+    """Each token stands for at most L bytes, so a text of B bytes has at least B / L tokens."""
+    longest = longest_token_bytes(tokenizer)
+    assert longest == max(len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True))
+    for s in ["    def wrap(self, text):\n" * 20, "naïve café – π ≈ 3.14 🐍" * 10, "<s></s><pad>" * 30,
+              " " * 500]:
+        assert len(tokenizer.encode(s).ids) * longest >= len(s.encode())
+
+
+def test_the_longest_token_is_measured_once_per_tokenizer(tokenizer):
+    class Vocab(Counting):
+        def get_vocab(self, with_added_tokens: bool = True):
+            self.encodes += 1
+            return super().get_vocab(with_added_tokens)
+    t = Vocab(tokenizer)
+    assert longest_token_bytes(t) == longest_token_bytes(t) == longest_token_bytes(tokenizer)
+    assert t.encodes == 1
+
+
+def test_existing_callers_still_catch_spec_infer_error():
+    with pytest.raises(SpecInferError):
+        read_request({}, CONTEXT)
+
+
+# --- error codes -------------------------------------------------------------------------------------
+class TritonError:
+    """What the Python backend's TritonError offers: a message and a code (INTERNAL by default)."""
+
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE = range(5)
+
+    def __init__(self, message: str, code: int = INTERNAL):
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+
+class Tensor:
+    def __init__(self, name: str, array: np.ndarray):
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class Response:
+    def __init__(self, output_tensors=(), error=None):
+        self.tensors, self._error = list(output_tensors), error
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+    def output_tensors(self):
+        return self.tensors
+
+
+def fake_pb(answer: Response | None = None):
+    """A stand-in for triton_python_backend_utils: responses, errors, a logger, BLS answering ``answer``."""
+    logged: list[str] = []
+    return SimpleNamespace(
+        TritonError=TritonError, Tensor=Tensor, InferenceResponse=Response, logged=logged,
+        Logger=SimpleNamespace(log_error=logged.append),
+        get_input_tensor_by_name=lambda request, name: request.get(name),
+        InferenceRequest=lambda **kwargs: SimpleNamespace(exec=lambda: answer))
+
+
+def test_a_client_mistake_is_invalid_arg_with_its_message():
+    pb = fake_pb()
+    out = glue.error(pb, RequestError("top_p must be in (0, 1], got 2.0"), "ensemble")
+    assert (out.error().code(), out.error().message()) == (TritonError.INVALID_ARG, "top_p must be in (0, 1], got 2.0")
+    assert pb.logged == []
+
+
+def test_a_server_problem_is_internal_and_logged():
+    pb = fake_pb()
+    out = glue.error(pb, SpecInferError("the dynamic tree needs the LLM's verification cost table"), "ssm_0")
+    assert out.error().code() == TritonError.INTERNAL and "verification cost table" in out.error().message()
+    assert pb.logged
+
+
+def test_a_raw_exception_is_internal_without_its_python_text():
+    pb = fake_pb()
+    try:
+        raise KeyError("/secret/path/model.onnx")
+    except KeyError as e:
+        out = glue.error(pb, e, "llm")
+    assert out.error().code() == TritonError.INTERNAL
+    assert out.error().message() == "internal error in llm; see the server log"
+    assert "KeyError" in pb.logged[0] and "/secret/path/model.onnx" in pb.logged[0] and "Traceback" in pb.logged[0]
+
+
+def test_handle_answers_each_request_with_the_right_code():
+    pb = fake_pb()
+    request = {"top_p": Tensor("top_p", one(2.0, np.float32))}
+    bad = glue.handle(pb, request, ["top_p", "temperature"], lambda t: {"top_k": one(sampling_from(t).top_k, np.int32)})
+    assert bad.error().code() == TritonError.INVALID_ARG and "top_p must be in (0, 1]" in bad.error().message()
+    broken = glue.handle(pb, request, ["top_p"], lambda t: 1 / 0, "tree_builder")
+    assert broken.error().message() == "internal error in tree_builder; see the server log"
+    good = glue.handle(pb, {"top_p": Tensor("top_p", one(0.5, np.float32))}, ["top_p"], lambda t: {"y": t["top_p"] * 2})
+    assert not good.has_error() and good.tensors[0].name() == "y"
+
+
+@pytest.mark.parametrize("code, error_class", [(TritonError.INVALID_ARG, RequestError),
+                                               (TritonError.INTERNAL, SpecInferError),
+                                               (TritonError.UNAVAILABLE, SpecInferError)])
+def test_bls_keeps_the_category_of_an_internal_models_error(code, error_class):
+    pb = fake_pb(Response(error=TritonError("tree widths must all be >= 1", code)))
+    with pytest.raises(SpecInferError) as e:
+        glue.bls(pb, "ssm_0", {"tree": text("1,0")})
+    assert type(e.value) is error_class and str(e.value) == "ssm_0: tree widths must all be >= 1"
+    # ... and the orchestrator answers the client with the same category
+    assert glue.error(pb, e.value).error().code() == (TritonError.INVALID_ARG if error_class is RequestError
+                                                       else TritonError.INTERNAL)
+
+
+def test_bls_returns_the_outputs():
+    pb = fake_pb(Response([Tensor("bonus", one(3, np.int64))]))
+    assert glue.bls(pb, "llm", {"op": text("step")})["bonus"].tolist() == [3]
