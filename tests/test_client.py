@@ -143,7 +143,7 @@ def cli(*argv):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_cli_prints_the_text(triton_server, expected, protocol, capsys):
     for flags in ([], ["--stream"]):
-        assert cli("client", PROMPT, "--url", url(triton_server, protocol), "--protocol", protocol,
+        assert cli("client", "generate", PROMPT, "--url", url(triton_server, protocol), "--protocol", protocol,
                    "--max-tokens", str(MAX_TOKENS), "--stats", *flags) == 0
         out, err = capsys.readouterr()
         assert out == expected[0] + "\n" and f"{MAX_TOKENS} tokens in" in err
@@ -152,11 +152,10 @@ def test_cli_prints_the_text(triton_server, expected, protocol, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--model", "nope"], "unknown model"),
-    (["--concurrency", "2"], "--concurrency: only for `specinfer client bench`"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
 ])
 def test_cli_errors_are_one_line_exit_2(triton_server, argv, message, capsys):
-    assert cli("client", "hi", "--url", triton_server.http_url, *argv) == 2
+    assert cli("client", "generate", "hi", "--url", triton_server.http_url, *argv) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("specinfer: error: ") and message in err and not out
 
@@ -166,10 +165,10 @@ def test_main_cli_has_client(triton_server, expected):
     from specinfer.cli import build_parser
 
     try:
-        build_parser().parse_args(["client", "hi"])
+        build_parser().parse_args(["client", "generate", "hi"])
     except SystemExit:
         pytest.skip("specinfer/cli.py does not register `client` yet")
-    r = subprocess.run([sys.executable, "-m", "specinfer.cli", "client", PROMPT, "--url", triton_server.grpc_url,
+    r = subprocess.run([sys.executable, "-m", "specinfer.cli", "client", "generate", PROMPT, "--url", triton_server.grpc_url,
                         "--protocol", "grpc", "--stream", "--max-tokens", str(MAX_TOKENS)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == expected[0] + "\n", r.stderr
@@ -204,3 +203,19 @@ def test_bench_unstreamed_errors_and_bounds(triton_server):
         run_bench("10.0.0.1:8000", requests=1)
     with pytest.raises(ClientError, match=">= 1"):
         run_bench(triton_server.http_url, requests=0)
+
+
+def test_a_prompt_is_never_taken_for_the_bench(capsys):
+    """`client generate PROMPT` and `client bench`: the prompt "bench" is a prompt."""
+    from specinfer.client.cli import cmd_bench, cmd_generate
+    parser = argparse.ArgumentParser(prog="specinfer")
+    add_client_parser(parser.add_subparsers(dest="command", required=True))
+    a = parser.parse_args(["client", "generate", "bench", "--max-tokens", "3"])
+    assert a.func is cmd_generate and a.prompt == "bench"
+    a = parser.parse_args(["client", "bench", "--concurrency", "2"])
+    assert a.func is cmd_bench and a.concurrency == 2
+    for argv, says in ((["client", "generate", "hi", "--concurrency", "2"], "unrecognized arguments: --concurrency"),
+                       (["client", "bench", "hi"], "unrecognized arguments: hi"), (["client", "hi"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert says in capsys.readouterr().err

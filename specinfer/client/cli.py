@@ -1,10 +1,10 @@
 """`specinfer client`: generate from a running deployment, or load it with the bench.
 
-    specinfer client "def f(x):" --url localhost:8001 --protocol grpc --stream
+    specinfer client generate "def f(x):" --url localhost:8001 --protocol grpc --stream
     specinfer client bench --concurrency 8 --requests 64 --stream --json bench.json
 
-``client`` takes one positional word: the prompt, or ``bench``. The bench's options are refused
-without it. Failures raise :class:`~specinfer.errors.SpecInferError` (one line, exit 2).
+Two subcommands, so that no prompt (not even the word "bench") is taken for a command. Failures
+raise :class:`~specinfer.errors.SpecInferError` (one line, exit 2).
 """
 from __future__ import annotations
 
@@ -15,25 +15,17 @@ import time
 
 from ..errors import SpecInferError
 
-BENCH_OPTIONS = ("concurrency", "requests", "prompts", "json", "duration", "warmup", "allow_remote")
 
-
-def add_client_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``client`` (and ``client bench``) on the main CLI's subparsers."""
-    p = subparsers.add_parser(
-        "client", help="generate from a Triton deployment, or load it (`client bench`)",
-        description="Generate from a running specinfer Triton deployment; "
-                    "`specinfer client bench ...` runs the load bench.",
-        epilog='examples: specinfer client "def f(x):" --protocol grpc --stream; '
-               "specinfer client bench --concurrency 8 --requests 64 --stream")
-    p.add_argument("prompt", help='the prompt, or "bench" for the load bench')
+def _connection_and_request(formatter) -> argparse.ArgumentParser:
+    """The options both subcommands take: where the server is, and the request's parameters."""
+    p = argparse.ArgumentParser(add_help=False, formatter_class=formatter)
     p.add_argument("--url", default=None, help="host:port (default localhost:8000 for http, localhost:8001 for grpc)")
     p.add_argument("--protocol", choices=["http", "grpc"], default="http", help="how to reach the server")
-    p.add_argument("--model", default="ensemble", help="ensemble (default), ensemble_fused or ensemble_sync")
+    p.add_argument("--model", default="ensemble", help="ensemble, ensemble_fused or ensemble_sync")
     p.add_argument("--stream", action="store_true", help="stream the text as it is generated")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     g = p.add_argument_group("request parameters (unset: the server's default)")
-    g.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens at most")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the server's default)")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of this much mass")
@@ -42,34 +34,41 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--stop-word", dest="stop_words", action="append", default=None, help="stop text (repeat)")
     g.add_argument("--tree", default=None,
                    help="speculation tree: 'dynamic' or children per depth, e.g. '1,1,3,1' (default: the server's)")
-    g = p.add_argument_group("generation")
+    return p
+
+
+def add_client_parser(subparsers, formatter=argparse.HelpFormatter) -> argparse.ArgumentParser:
+    """Register ``client generate`` and ``client bench`` on the main CLI's subparsers."""
+    p = subparsers.add_parser(
+        "client", help="generate from a Triton deployment (`client generate`), or load it (`client bench`)",
+        description="Talk to a running specinfer Triton deployment.", formatter_class=formatter,
+        epilog='examples: specinfer client generate "def f(x):" --protocol grpc --stream; '
+               "specinfer client bench --concurrency 8 --requests 64 --stream")
+    sub = p.add_subparsers(dest="client_command", required=True, metavar="{generate,bench}")
+    common = _connection_and_request(formatter)
+    g = sub.add_parser("generate", parents=[common], formatter_class=formatter, help="generate from one prompt",
+                       description="Generate from one prompt and print the text.")
+    g.add_argument("prompt", help="the prompt")
     g.add_argument("--include-input", action="store_true", help="non-streamed text starts with the prompt")
     g.add_argument("--stats", action="store_true", help="print tokens, steps and draft acceptance to stderr")
-    g = p.add_argument_group("bench (specinfer client bench ...)")
-    g.add_argument("--concurrency", type=int, default=None, help="concurrent clients (default 1)")
-    g.add_argument("--requests", type=int, default=None, help="requests in all (default 16)")
-    g.add_argument("--prompts", default=None, help="text file, prompts separated by blank lines (default: built-in)")
-    g.add_argument("--json", default=None, help="also write the report as JSON here")
-    g.add_argument("--duration", type=float, default=None,
-                   help="start no request after this many seconds (default 600)")
-    g.add_argument("--warmup", type=int, default=None, help="unmeasured requests first (default 0)")
-    g.add_argument("--allow-remote", action="store_true", default=None, help="allow a server that is not on loopback")
-    p.set_defaults(func=cmd_client)
+    g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", parents=[common], formatter_class=formatter,
+                       help="load the deployment: N concurrent clients, M requests in all",
+                       description="Load the deployment with concurrent clients and report latency and throughput.")
+    b.add_argument("--concurrency", type=int, default=1, help="concurrent clients")
+    b.add_argument("--requests", type=int, default=16, help="requests in all")
+    b.add_argument("--prompts", default=None, help="text file, prompts separated by blank lines (default: built-in)")
+    b.add_argument("--json", default=None, help="also write the report as JSON here")
+    b.add_argument("--duration", type=float, default=600.0, help="start no request after this many seconds")
+    b.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
+    b.add_argument("--allow-remote", action="store_true", help="allow a server that is not on loopback")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
 def _params(a) -> dict:
     return {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
             "seed": a.seed, "end_id": a.end_id, "stop_words": a.stop_words, "tree": a.tree}
-
-
-def cmd_client(a) -> None:
-    if a.prompt == "bench":
-        return cmd_bench(a)
-    used = [f"--{name.replace('_', '-')}" for name in BENCH_OPTIONS if getattr(a, name) is not None]
-    if used:
-        raise SpecInferError(f"{', '.join(used)}: only for `specinfer client bench`")
-    cmd_generate(a)
 
 
 def cmd_generate(a) -> None:
@@ -100,11 +99,9 @@ def cmd_bench(a) -> None:
 
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
-    report = run_bench(a.url, a.protocol, a.model, concurrency=1 if a.concurrency is None else a.concurrency,
-                       requests=16 if a.requests is None else a.requests,
+    report = run_bench(a.url, a.protocol, a.model, concurrency=a.concurrency, requests=a.requests,
                        stream=a.stream, prompts=read_prompts(a.prompts) if a.prompts else None, timeout=a.timeout,
-                       duration=600.0 if a.duration is None else a.duration, warmup=a.warmup or 0,
-                       allow_remote=bool(a.allow_remote), **_params(a))
+                       duration=a.duration, warmup=a.warmup, allow_remote=a.allow_remote, **_params(a))
     summary = report["summary"]
     if summary["requests"] and not summary["ok"]:
         first = next(iter(summary["error_messages"]))
