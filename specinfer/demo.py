@@ -8,11 +8,14 @@ speed and acceptance statistics of each.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from .generate import Stats
 from .models import embedded_llm, embedded_prompts, embedded_ssms
 from .sampling import SamplingParams
 from .speculate import DEFAULT_MIN_CONFIDENCE
+from .text import shown_prompt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,20 +35,37 @@ def main(argv: list[str] | None = None) -> None:
         texts = {}
         for name, pipe in runs.items():
             stats = Stats()
-            print(f"\n== {name} ==\n{prompt}", end="", flush=True)
-            texts[name] = "".join(print(piece, end="", flush=True) or piece
-                                  for piece in pipe.stream(prompt, a.max_tokens, SamplingParams(), stats))
-            print(f"\n-- {stats.summary()}")
+            texts[name] = _show(f"{name}, greedy", prompt, pipe.stream(prompt, a.max_tokens, SamplingParams(), stats))
+            print(f"-- {stats.summary()}")
             for field in ("new_tokens", "total_seconds", "ssm_seconds", "llm_seconds"):
                 setattr(totals[name], field, getattr(totals[name], field) + getattr(stats, field))
             totals[name].tokens_per_step += stats.tokens_per_step
         if texts["incremental"] != texts["speculative"]:
             raise SystemExit("speculative output differs from incremental decoding: this is a bug")
+    # A 12M model's greedy text soon repeats itself; sampling shows what else it writes, with the
+    # same speculation (distributed exactly as the LLM's own sampling, not equal to it token for token).
+    stats, sampled = Stats(), SamplingParams(temperature=0.7, seed=0)
+    _show("speculative, sampled at temperature 0.7", prompts[0], runs["speculative"].stream(prompts[0], a.max_tokens,
+                                                                                          sampled, stats))
+    print(f"-- {stats.summary()}")
     inc, spec = totals["incremental"], totals["speculative"]
-    print(f"\nspeculative output identical to incremental on all {len(prompts)} prompts; "
+    print(f"\ngreedy speculative output identical to incremental on all {len(prompts)} prompts; "
           f"{spec.tokens_per_second:.0f} vs {inc.tokens_per_second:.0f} tokens/s "
           f"({spec.tokens_per_second / inc.tokens_per_second:.2f}x), "
           f"{spec.mean_tokens_per_step:.2f} tokens per verification step")
+
+
+def _show(title: str, prompt: str, pieces) -> str:
+    """Print the prompt (dimmed on a terminal; after a '>>>' rule elsewhere), then stream its
+    continuation; return the continuation."""
+    print(f"\n== {title} ==")
+    if not sys.stdout.isatty() or os.environ.get("NO_COLOR"):
+        print(f"{prompt}\n>>> generated:")
+    else:
+        print(shown_prompt(prompt, sys.stdout), end="")
+    text = "".join(print(piece, end="", flush=True) or piece for piece in pieces)
+    print()
+    return text
 
 
 if __name__ == "__main__":

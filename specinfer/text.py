@@ -61,3 +61,14 @@ def decode_piece(tokenizer, context: list[int], ids: list[int]) -> str:
     """The text that ``ids`` add after ``context`` (stateless; see :attr:`TextStream.window`)."""
     before = tokenizer.decode(list(context), skip_special_tokens=True)
     return tokenizer.decode(list(context) + list(ids), skip_special_tokens=True)[len(before):]
+
+
+def shown_prompt(prompt: str, out) -> str:
+    """The prompt as a terminal shows it before its continuation: dimmed, so that the eye sees where
+    the generation begins (plain when ``out`` is not a terminal or NO_COLOR is set; the caller
+    decides whether a pipe gets the prompt at all)."""
+    import os
+
+    if out.isatty() and not os.environ.get("NO_COLOR"):
+        return f"\033[2m{prompt}\033[0m"
+    return prompt

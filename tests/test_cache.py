@@ -41,3 +41,14 @@ def test_cache_list_and_clear(tmp_path, monkeypatch, capsys):
     assert "removed 2 cached exports (2.0 MB)" in capsys.readouterr().out
     assert current.is_dir() and not old.exists() and not unfinished.exists()
     assert main(["cache", "clear"]) == 0 and cached_exports() == []
+
+
+def test_the_one_time_export_says_what_it_is_once(tmp_path, monkeypatch, capsys):
+    from specinfer.engines.loader import onnx_folder
+    monkeypatch.setenv("SPECINFER_CACHE", str(tmp_path / "cache"))
+    ckpt = make_checkpoint(tmp_path / "tiny", "llama2")
+    capsys.readouterr()
+    first = onnx_folder(ckpt, 64)
+    err = capsys.readouterr().err
+    assert err.startswith("specinfer: exporting tiny to ONNX once, into the cache")   # before any progress bar
+    assert onnx_folder(ckpt, 64) == first and "exporting" not in capsys.readouterr().err

@@ -2,6 +2,7 @@
 a TensorRT engine folder (``specinfer build``) always opens on TensorRT."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..cache import export_folder
@@ -44,6 +45,9 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
     except ImportError:
         raise SpecInferError(f"{model_dir} is a checkpoint: export it first (`specinfer export {model_dir} -o DIR`, "
                              "which needs `pip install specinfer[export]`)") from None
+    # Said before the progress bar: the wait is once per checkpoint, not every run.
+    print(f"specinfer: exporting {model_dir.name} to ONNX once, into the cache ({out.parent}); later runs reuse it",
+          file=sys.stderr, flush=True)
     export_model(model_dir, out, max_context=max_context, force=True)   # the cache's folder: ours to overwrite
     return out
 
