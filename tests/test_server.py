@@ -194,6 +194,24 @@ def test_invalid_utf8_and_unknown_model(triton_server, expected):
     assert generate(triton_server, text_input=PROMPTS[2])[1]["text_output"] == expected[PROMPTS[2]]
 
 
+def test_a_long_unary_request_does_not_hold_up_a_short_one(triton_server, expected):
+    """ensemble_sync (unary infer) answers each request from a thread of its own."""
+    done, long_started = [], threading.Event()
+
+    def long_request():
+        status, _ = post(triton_server, "/v2/models/ensemble_sync/generate", {"text_input": PROMPTS[5], "max_tokens": 200})
+        done.append(("long", status))
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not metric(triton_server, "specinfer_active_sequences", "llm") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, body = generate(triton_server, "ensemble_sync", text_input=PROMPTS[1])
+    done.append(("short", status))
+    runner.join(timeout=300)
+    assert done == [("short", 200), ("long", 200)] and body["text_output"] == expected[PROMPTS[1]]
+
+
 def steps_taken(server, model):
     """Verification steps the model has run (the count of its accepted-tokens histogram)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()

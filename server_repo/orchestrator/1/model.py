@@ -76,10 +76,10 @@ class TritonPythonModel:
                                          int(p["budget"]))
 
     def execute(self, requests):
-        if not self.decoupled:
-            return [self.answer(r) for r in requests]
+        # Every request runs on a thread of its own and answers through its response sender, so that
+        # a long generation never holds up another request (a non-decoupled model sends one response).
         for r in requests:
-            threading.Thread(target=self.stream, args=(r,), daemon=True).start()
+            threading.Thread(target=self.run, args=(r,), daemon=True).start()
         return None
 
     def ended(self, cancelled=lambda: False) -> bool:
@@ -92,27 +92,18 @@ class TritonPythonModel:
         if self.fused is not None:
             self.metrics.update(self.fused)
 
-    def answer(self, request):
-        try:
-            inputs = glue.read(pb, request, INPUTS)
-            if inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
-                raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
-            *_, (tensors, _) = self.orchestrator.run(inputs, lambda: self.ended(request.is_cancelled))
-            return glue.response(pb, tensors)
-        except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
-            return glue.error(pb, e, self.name)
-        finally:
-            self.update_metrics()
-
-    def stream(self, request):
+    def run(self, request):
         sender = request.get_response_sender()
         try:
             self.update_metrics()
-            for tensors, final in self.orchestrator.run(glue.read(pb, request, INPUTS),
-                                                        lambda: self.ended(sender.is_cancelled)):
+            inputs = glue.read(pb, request, INPUTS)
+            if not self.decoupled and inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
+                raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
+            for tensors, final in self.orchestrator.run(inputs, lambda: self.ended(request.is_cancelled)):
                 self.update_metrics()
-                sender.send(glue.response(pb, tensors), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as e:  # noqa: BLE001
+                if final or self.decoupled:
+                    sender.send(glue.response(pb, tensors), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
             sender.send(glue.error(pb, e, self.name), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
             self.update_metrics()
