@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .engines.runtime import Runtime
+from .verify import SAMPLING_RULES
 
 if TYPE_CHECKING:
     from .generate import Stats
@@ -22,6 +22,9 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+SAMPLING_TEMPERATURES = (1.0, 0.7)
 
 
 @dataclass
@@ -34,7 +37,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     threads: int | None = None
     peers: bool = True              # transformers and onnxruntime-genai
-    sampling: bool = False          # temperature 1: MSS vs naive sampling, ours only
+    sampling: bool = False          # sampling at SAMPLING_TEMPERATURES: the verification rules compared, ours only
     seed: int = 0
     min_confidence: float | None = None   # our drafters stop growing a branch where the SSM is less sure
                                           # (None: each tree's default, see speculate.default_min_confidence)
@@ -79,7 +82,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     Greedy: our incremental decoding, our speculative decoding with SSM 1 and with all SSMs for each
     tree, then the peers. Our speculative outputs must equal our incremental ones token for token
     (an AssertionError otherwise); a peer's outputs are compared and the count of equal ones reported.
-    Sampling: our incremental sampling, and MSS vs naive verification on each tree with all SSMs.
+    Sampling, at each of SAMPLING_TEMPERATURES: our incremental sampling, and each verification rule
+    (MSS, traversal, naive) on each tree with all SSMs, on the same prompts and seeds; a row's
+    speedup is against incremental sampling at its temperature.
     """
     from . import peers
     from .engines.loader import load_runtime
@@ -87,32 +92,36 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads)
     ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads) for s in cfg.ssms]
-    params = SamplingParams(temperature=1.0, seed=cfg.seed) if cfg.sampling else SamplingParams()
     sets = {"SSM 1": ssms[:1]} | ({f"all {len(ssms)} SSMs": ssms} if len(ssms) > 1 else {})
     rows = []
-
     # Warm-up, untimed: a cold process runs its first calls far slower, which would tax whichever
     # contender comes first.
-    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", params, lookup=cfg.lookup)
-    stats, reference = _ours(cfg, llm, [], [1], "ours incremental", params)
-    rows.append(_row("ours incremental", "specinfer", "-", "-", stats,
-                     identical=None if cfg.sampling else len(cfg.prompts)))
-    for tree_name, tree in cfg.trees.items():
-        lookup = cfg.lookup and tree is None
-        if cfg.sampling:
-            runs = [(f"ours MSS {tree_name}", ssms, "mss"), (f"ours naive {tree_name}", ssms, "naive")]
-        else:
-            runs = [(f"ours {tree_name} {k}", v, "mss") for k, v in sets.items()]
-        if lookup:
-            runs = [(name + " + lookup", drafts, rule) for name, drafts, rule in runs] + \
-                [(f"ours {tree_name} lookup only", [], "mss")]
-        for name, drafts, rule in runs:
-            stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
-            same = sum(o == r for o, r in zip(outputs, reference))
-            if not cfg.sampling and same != len(reference):
-                raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
-            rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule, lookup=lookup,
-                             identical=None if cfg.sampling else same))
+    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", SamplingParams(), lookup=cfg.lookup)
+    for params in ([SamplingParams(temperature=t, seed=cfg.seed) for t in SAMPLING_TEMPERATURES] if cfg.sampling
+                   else [SamplingParams()]):
+        at = f" T={params.temperature:g}" if cfg.sampling else ""
+        stats, reference = _ours(cfg, llm, [], [1], "ours incremental" + at, params)
+        rows.append(_row("ours incremental" + at, "specinfer", "-", "-", stats, temperature=params.temperature,
+                         identical=None if cfg.sampling else len(cfg.prompts)))
+        base = len(rows) - 1
+        for tree_name, tree in cfg.trees.items():
+            lookup = cfg.lookup and tree is None
+            if cfg.sampling:
+                runs = [(f"ours {rule} {tree_name}{at}", ssms, rule) for rule in SAMPLING_RULES]
+            else:
+                runs = [(f"ours {tree_name} {k}", v, "mss") for k, v in sets.items()]
+            if lookup:
+                runs = [(name + " + lookup", drafts, rule) for name, drafts, rule in runs] + \
+                    [(f"ours {tree_name} lookup only{at}", [], "mss")]
+            for name, drafts, rule in runs:
+                stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
+                same = sum(o == r for o, r in zip(outputs, reference))
+                if not cfg.sampling and same != len(reference):
+                    raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
+                rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule, lookup=lookup,
+                                 temperature=params.temperature, identical=None if cfg.sampling else same))
+        for r in rows[base:]:
+            r["speedup"] = r["tokens_per_s"] / rows[base]["tokens_per_s"] if r.get("tokens_per_s") else None
 
     if cfg.peers and not cfg.sampling:
         kw = dict(prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
@@ -140,10 +149,13 @@ def run_bench(cfg: BenchConfig) -> dict:
                              "1" if drafted else "-", **extra))
 
     base = rows[0]["tokens_per_s"]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base if r.get("tokens_per_s") else None
+    for r in rows[1:]:   # the peers (greedy): against our incremental decoding
+        if "speedup" not in r:
+            r["speedup"] = r["tokens_per_s"] / base if r.get("tokens_per_s") else None
     return {"llm": str(cfg.llm), "ssms": [str(s) for s in cfg.ssms], "prompts": len(cfg.prompts),
-            "max_new_tokens": cfg.max_new_tokens, "mode": "sampling (temperature 1)" if cfg.sampling else "greedy",
+            "max_new_tokens": cfg.max_new_tokens,
+            "mode": f"sampling (temperature {' and '.join(f'{t:g}' for t in SAMPLING_TEMPERATURES)})" if cfg.sampling
+            else "greedy",
             "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence, "rows": rows, "targets": [] if cfg.sampling else targets(rows)}
 
 

@@ -22,14 +22,15 @@ class Pipeline:
 
     def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] | None = DYNAMIC,
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
-                 threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True):
+                 threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss"):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
-        no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding)."""
+        no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
+        verification rule under sampling ("mss", "traversal" or "naive"; see verify.py)."""
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.tree = parse_tree(tree)
         self.budget = budget
-        self.min_confidence, self.lookup = min_confidence, lookup
+        self.min_confidence, self.lookup, self.rule = min_confidence, lookup, rule
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
         self.eos_ids = self.llm.config.eos_token_ids
 
@@ -40,7 +41,7 @@ class Pipeline:
                    params: SamplingParams = SamplingParams(), stats: Stats | None = None) -> Iterator[list[int]]:
         return generate_ids(self.llm, prompt_ids, ssms=self.ssms, tree=self.tree, params=params,
                             max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, budget=self.budget, stats=stats,
-                            min_confidence=self.min_confidence, lookup=self.lookup)
+                            min_confidence=self.min_confidence, lookup=self.lookup, rule=self.rule)
 
     def stream(self, prompt: str, max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
                stats: Stats | None = None) -> Iterator[str]:

@@ -17,6 +17,7 @@ from .errors import RequestError, SpecInferError
 from .generate import check_request
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, parse_tree
+from .verify import SAMPLING_RULES
 
 Tensors = dict[str, np.ndarray]
 MAX_STOP_WORDS = 16
@@ -136,6 +137,7 @@ class GenerationRequest:
     stop_words: list[str] = field(default_factory=list)
     exclude_input: bool = False
     tree: str | None = None       # a tree spec ("dynamic" or widths), None: the server's default
+    rule: str = "mss"             # the verification rule under sampling (verify.SAMPLING_RULES)
 
 
 def read_request(inputs: Tensors, max_context: int, *, tokenizer=None,
@@ -152,6 +154,7 @@ def read_request(inputs: Tensors, max_context: int, *, tokenizer=None,
     end_id = _in_range("end_id", scalar(inputs, "end_id", "i", None), 0, top, " (a token id)")
     stops = stop_words(inputs)
     tree = tree_spec(inputs) if inputs.get("tree") is not None else None
+    rule = verification_rule(inputs)
     if tokenizer is not None and (inputs.get("text_input") is not None or inputs.get("input_ids") is None):
         prompt = prompt_from_text(inputs, tokenizer, max_context)
     else:
@@ -161,7 +164,7 @@ def read_request(inputs: Tensors, max_context: int, *, tokenizer=None,
     except SpecInferError as e:
         raise RequestError(str(e)) from None
     return GenerationRequest([int(t) for t in prompt], max_tokens, scalar(inputs, "stream", "b", False), params,
-                             end_id, stops, scalar(inputs, "exclude_input_in_output", "b", False), tree)
+                             end_id, stops, scalar(inputs, "exclude_input_in_output", "b", False), tree, rule)
 
 
 def stop_words(inputs: Tensors) -> list[str]:
@@ -193,6 +196,17 @@ def tree_spec(inputs: Tensors) -> str:
         raise RequestError(f"'tree' may have at most {MAX_TREE_DEPTH} depths of widths in 1..{MAX_TREE_WIDTH}, "
                            f"got {len(widths)} depths, widest {max(widths)}")
     return ",".join(map(str, widths))
+
+
+def verification_rule(inputs: Tensors) -> str:
+    """The ``rule`` input: how a sampled tree is verified ("mss" when absent)."""
+    if inputs.get("rule") is None:
+        return "mss"
+    value = _one_string(inputs, "rule")
+    rule = as_text(value, "rule") if _size(value) <= 16 else None
+    if rule not in SAMPLING_RULES:
+        raise RequestError(f"'rule' must be one of {', '.join(SAMPLING_RULES)}, got {str(value)[:40]!r}")
+    return rule
 
 
 def sampling_from(inputs: Tensors, vocab_size: int | None = None) -> SamplingParams:

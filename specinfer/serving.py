@@ -26,7 +26,8 @@ from .engines.runtime import Runtime
 from .errors import RequestError, SpecInferError
 from .generate import DEFAULT_BUDGET, Stats, decode
 from .lookup import LookupDrafter
-from .request import GenerationRequest, Tensors, as_text, read_request, sampling_from, scalar, tree_spec
+from .request import (GenerationRequest, Tensors, as_text, read_request, sampling_from, scalar, tree_spec,
+                      verification_rule)
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
 from .text import TextStream, decode_piece
@@ -287,10 +288,10 @@ class VerifyModel(_SequenceModel):
             raise
         self.sequences.add(seq_id, np.random.default_rng(None if params.seed is None else [params.seed, 0]))
 
-    def step(self, seq_id, tree: TokenTree, params: SamplingParams) -> tuple[list[int], int]:
+    def step(self, seq_id, tree: TokenTree, params: SamplingParams, rule: str = "mss") -> tuple[list[int], int]:
         rng = self.sequences.get(seq_id)
         logits = self.runtime.score(seq_id, tree.tokens, tree.parents)
-        verdict = verify(tree, logits, params, rng)
+        verdict = verify(tree, logits, params, rng, rule)
         self.runtime.commit(seq_id, verdict.path)
         return [tree.tokens[i] for i in verdict.path], verdict.bonus
 
@@ -304,7 +305,7 @@ class VerifyModel(_SequenceModel):
             self.release(seq)
         else:
             tree = tensors_to_tree(t)
-            path, bonus = self.step(seq, tree, sampling_from(t))
+            path, bonus = self.step(seq, tree, sampling_from(t), verification_rule(t))
             drafted = len(tree) - 1
         return {"accepted_tokens": np.asarray(path, dtype=np.int64), "bonus": np.array([bonus], dtype=np.int64),
                 "draft_tokens": np.array([drafted], dtype=np.int32)}
@@ -321,8 +322,9 @@ class RemoteSpeculator:
     (Triton BLS in the server; plain method calls in tests)."""
 
     def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
-                 max_context: int, params: SamplingParams, tree: str | None, stats: Stats, key: str | None = None):
-        self.call, self.ssm_names, self.seq_id, self.key = call, ssm_names, seq_id, key
+                 max_context: int, params: SamplingParams, tree: str | None, stats: Stats, key: str | None = None,
+                 rule: str = "mss"):
+        self.call, self.ssm_names, self.seq_id, self.key, self.rule = call, ssm_names, seq_id, key, rule
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
         self.last_path: list[int] = []
@@ -350,6 +352,8 @@ class RemoteSpeculator:
                                          "budget": np.array([budget], dtype=np.int32)}
         if self.tree:
             inputs["tree"] = np.array([self.tree.encode()], dtype=object)
+        if self.rule != "mss":
+            inputs["rule"] = np.array([self.rule.encode()], dtype=object)
         out = self.call("spec_step", inputs)
         path = [int(t) for t in np.asarray(out["accepted_tokens"]).reshape(-1)]
         self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])

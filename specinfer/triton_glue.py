@@ -105,6 +105,9 @@ class Metrics:
         self.step_seconds = self._families[2].Metric(labels=labels, buckets=self.TIME_BUCKETS)
         self.accepted = self._families[3].Metric(labels=labels, buckets=self.ACCEPT_BUCKETS)
         self.reclaimed = self._families[4].Metric(labels=labels)
+        # The stub's metric calls are not safe from several threads at once (seen: a histogram's
+        # observe answered as if it were a gauge's): threads that share this object hold the lock.
+        self.lock = threading.Lock()
 
     def update(self, model) -> None:
         """Gauges from a serving model's state (DraftModel or VerifyModel; or the fused
@@ -148,8 +151,8 @@ def reclaim_idle(model, lock: threading.Lock, idle_seconds: float, metrics: "Met
             with lock:
                 n = model.reclaim(idle_seconds)
                 metrics.update(model)
-            if n:
-                metrics.reclaimed.increment(n)
+                if n:
+                    metrics.reclaimed.increment(n)
     thread = threading.Thread(target=loop, daemon=True, name="reclaim-idle")
     thread.start()
     return thread
@@ -169,8 +172,9 @@ class MeteredSpeculator:
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
         start = time.perf_counter()
         path, bonus = self.inner.step(root, budget)
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
-        self.metrics.accepted.observe(len(path))   # accepted speculation + bonus
+        with self.metrics.lock:
+            self.metrics.step_seconds.observe(time.perf_counter() - start)
+            self.metrics.accepted.observe(len(path))   # accepted speculation + bonus
         return path, bonus
 
     def release(self) -> None:

@@ -49,17 +49,22 @@ def test_bench_greedy_report(tmp_path, pair):
     assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_sampling_compares_mss_with_naive(tmp_path, pair):
+def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n\nimport sys\n")
     r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), "--prompts", str(prompts), "--max-tokens", "16",
               "--tree", "2,2,1", "--sampling", "-o", str(tmp_path))
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-sampling.json").read_text())
-    assert [row["contender"] for row in report["rows"]] == ["ours incremental", "ours MSS 2,2,1", "ours naive 2,2,1"]
-    assert report["mode"].startswith("sampling") and report["targets"] == []  # the targets are greedy ones
-    for row in report["rows"][1:]:
-        assert row["tokens"] == 32 and row["tokens_per_step"] >= 1
+    assert [row["contender"] for row in report["rows"]] == [
+        f"ours {name} T={t}" for t in ("1", "0.7") for name in ("incremental", "mss 2,2,1", "traversal 2,2,1",
+                                                                "naive 2,2,1")]
+    assert report["mode"] == "sampling (temperature 1 and 0.7)" and report["targets"] == []  # greedy targets only
+    for i, row in enumerate(report["rows"]):
+        base = report["rows"][i - i % 4]      # its temperature's incremental sampling
+        assert row["tokens"] == 32 and row["temperature"] == base["temperature"]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"])
+        assert i % 4 == 0 or row["tokens_per_step"] >= 1
 
 
 @pytest.mark.parametrize("args, message", [

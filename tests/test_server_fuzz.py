@@ -33,6 +33,7 @@ FIELDS = {
     "stop_words": st.one_of(st.lists(st.text(max_size=6), max_size=20), st.text(max_size=6)),
     "exclude_input_in_output": st.booleans(),
     "tree": st.one_of(st.sampled_from(["dynamic", "2,1", "1,1,1", "0", "1,x", "9" * 30]), st.text(max_size=8)),
+    "rule": st.one_of(st.sampled_from(["mss", "traversal", "naive"]), st.text(max_size=12)),
 }
 REQUESTS = st.fixed_dictionaries({}, optional={k: st.one_of(v, ANY_JSON) for k, v in FIELDS.items()})
 SLOW = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -89,7 +90,7 @@ GRPC_KINDS = {"BYTES": object, "INT32": np.int32, "INT64": np.int64, "UINT64": n
               "BOOL": np.bool_}
 DECLARED = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_k": "INT32",
             "top_p": "FP32", "random_seed": "UINT64", "end_id": "INT32", "stop_words": "BYTES",
-            "exclude_input_in_output": "BOOL", "tree": "BYTES"}
+            "exclude_input_in_output": "BOOL", "tree": "BYTES", "rule": "BYTES"}
 
 
 @st.composite

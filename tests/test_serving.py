@@ -248,7 +248,7 @@ def transformers_first_two(checkpoint, prompt, params) -> np.ndarray:
     return probabilities(first, params)[:, None] * probabilities(after, params)
 
 
-def served_first_two(tiny_vocab, params, budget, trials=2000, prompt=(3, 1, 4)) -> np.ndarray:
+def served_first_two(tiny_vocab, params, budget, trials=2000, prompt=(3, 1, 4), rule="mss") -> np.ndarray:
     """Counts of the first two tokens sampled through ssm_0, ssm_1 (drafting by sampling, tree
     3,2), tree_builder and llm, their trees and q as tensors between them."""
     (llm, a, b), _ = tiny_vocab
@@ -256,16 +256,18 @@ def served_first_two(tiny_vocab, params, budget, trials=2000, prompt=(3, 1, 4)) 
     counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
     for seed in range(trials):
         speculator = RemoteSpeculator(call, ["ssm_0", "ssm_1"], f"s{seed}", llm.max_context,
-                                      replace(params, seed=seed), None, Stats())
+                                      replace(params, seed=seed), None, Stats(), rule=rule)
         out = [t for step in decode(speculator, list(prompt), 2, budget=budget) for t in step]
         counts[out[0], out[1]] += 1
     return counts
 
 
-@pytest.mark.parametrize("params,budget", [(SamplingParams(temperature=1.0), 64),
-                                           (SamplingParams(temperature=0.8, top_k=6), 3)], ids=["free", "budget 3"])
-def test_served_sampling_keeps_the_llm_distribution(tiny_vocab, params, budget):
-    counts = served_first_two(tiny_vocab, params, budget)
+@pytest.mark.parametrize("params,budget,rule", [(SamplingParams(temperature=1.0), 64, "mss"),
+                                                (SamplingParams(temperature=0.8, top_k=6), 3, "mss"),
+                                                (SamplingParams(temperature=1.0), 64, "traversal")],
+                         ids=["free", "budget 3", "traversal"])
+def test_served_sampling_keeps_the_llm_distribution(tiny_vocab, params, budget, rule):
+    counts = served_first_two(tiny_vocab, params, budget, rule=rule)
     p = chi_square_p(counts, transformers_first_two(tiny_vocab[1][0], [3, 1, 4], params))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
 
@@ -311,3 +313,16 @@ def test_idle_sequences_are_reclaimed(served_pair):
         model.step("forgotten", [], 4, SamplingParams(), 8)
     assert model.reclaim(idle_seconds=60) == 0
     model.release("busy")
+
+
+def test_the_rule_is_read_checked_and_sent_to_the_llm():
+    assert read_request({"input_ids": ids(1, 2)}, 256).rule == "mss"
+    assert read_request({"input_ids": ids(1, 2), "rule": np.array([b"traversal"], object)}, 256).rule == "traversal"
+    with pytest.raises(SpecInferError, match="'rule' must be one of mss, traversal, naive"):
+        read_request({"input_ids": ids(1, 2), "rule": np.array([b"best"], object)}, 256)
+    sent = []
+    speculator = RemoteSpeculator(lambda name, t: sent.append(t) or {"accepted_tokens": ids(5), "bonus": ids(6),
+                                                                       "draft_tokens": np.array([0], np.int32)},
+                                  [], "s", 256, SamplingParams(temperature=1.0), None, Stats(), rule="traversal")
+    speculator.step(5, 8)
+    assert sent[-1]["rule"].tolist() == [b"traversal"]

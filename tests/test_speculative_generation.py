@@ -113,10 +113,10 @@ V = TINY_VOCAB
 TRIALS = 2500
 
 
-def first_two_counts(llm, ssms, tree, params, trials=TRIALS, prompt=(3, 1, 4), lookup=False):
+def first_two_counts(llm, ssms, tree, params, trials=TRIALS, prompt=(3, 1, 4), lookup=False, rule="mss"):
     counts = np.zeros((V, V))
     for seed in range(trials):
-        out = tokens(llm, list(prompt), n=2, eos=None, ssms=ssms, tree=tree, lookup=lookup,
+        out = tokens(llm, list(prompt), n=2, eos=None, ssms=ssms, tree=tree, lookup=lookup, rule=rule,
                      params=SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed))
         counts[out[0], out[1]] += 1
     return counts
@@ -141,6 +141,15 @@ def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
     counts = first_two_counts(llm, ssms, None if setup.startswith("dynamic") else [3, 2], params, prompt=prompt,
                               lookup=lookup)
     p = chi_square_p(counts, exact_first_two(llm, params, prompt))
+    assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
+
+
+@pytest.mark.parametrize("tree", [[1, 1, 1], [3, 2]], ids=["sampled chain", "sampled tree 3,2"])
+def test_traversal_keeps_the_llm_distribution(tiny_vocab, tree):
+    (llm, a, b), _ = tiny_vocab
+    params = SamplingParams(temperature=0.7)
+    counts = first_two_counts(llm, [a, b], tree, params, rule="traversal")
+    p = chi_square_p(counts, exact_first_two(llm, params))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
 
 

@@ -34,6 +34,8 @@ def _connection_and_request(formatter) -> argparse.ArgumentParser:
     g.add_argument("--stop-word", dest="stop_words", action="append", default=None, help="stop text (repeat)")
     g.add_argument("--tree", default=None,
                    help="speculation tree: 'dynamic' or children per depth, e.g. '1,1,3,1' (default: the server's)")
+    g.add_argument("--rule", choices=["mss", "traversal", "naive"], default=None,
+                   help="verification under sampling (default: the server's, mss)")
     return p
 
 
@@ -68,7 +70,7 @@ def add_client_parser(subparsers, formatter=argparse.HelpFormatter) -> argparse.
 
 def _params(a) -> dict:
     return {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
-            "seed": a.seed, "end_id": a.end_id, "stop_words": a.stop_words, "tree": a.tree}
+            "seed": a.seed, "end_id": a.end_id, "stop_words": a.stop_words, "tree": a.tree, "rule": a.rule}
 
 
 def cmd_generate(a) -> None:

@@ -16,6 +16,7 @@ work on ``ensemble`` and ``ensemble_fused``, and one-shot on ``ensemble_sync`` (
 
 Request parameters (keywords of ``generate`` and ``stream``): ``max_tokens`` (128), ``temperature``,
 ``top_k``, ``top_p``, ``seed``, ``end_id``, ``stop_words``, ``tree`` ("dynamic", or "1,1,3,1": children per depth),
+``rule`` (verification under sampling: "mss", "traversal" or "naive"),
 ``include_input`` (non-streamed text starts with the prompt; default False). None means the
 server's default. A failed request raises :class:`ClientError` with the server's message.
 """

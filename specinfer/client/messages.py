@@ -16,7 +16,8 @@ from ..errors import SpecInferError
 # The ensemble's request inputs and their Triton types (all [1] but stop_words, which is [-1]).
 INPUT_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32",
                "top_k": "INT32", "top_p": "FP32", "random_seed": "UINT64", "end_id": "INT32",
-               "stop_words": "BYTES", "exclude_input_in_output": "BOOL", "tree": "BYTES"}
+               "stop_words": "BYTES", "exclude_input_in_output": "BOOL", "tree": "BYTES",
+               "rule": "BYTES"}
 NUMPY_TYPES = {"BYTES": object, "INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32, "UINT64": np.uint64}
 OUTPUTS = ("text_output", "accepted_tokens_per_step", "total_draft_tokens", "total_accepted_draft_tokens")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
@@ -47,7 +48,7 @@ class Result:
 def request_body(prompt: str, stream: bool, *, max_tokens: int = 128, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  end_id: int | None = None, stop_words: list[str] | None = None, tree: str | None = None,
-                 include_input: bool = False) -> dict:
+                 rule: str | None = None, include_input: bool = False) -> dict:
     """The request's fields; parameters left as None are not sent (the server's defaults apply).
 
     ``include_input``: non-streamed text starts with the prompt (the server's default is to include
@@ -55,7 +56,7 @@ def request_body(prompt: str, stream: bool, *, max_tokens: int = 128, temperatur
     body = {"text_input": prompt, "max_tokens": int(max_tokens), "stream": bool(stream),
             "exclude_input_in_output": not include_input}
     optional = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "random_seed": seed,
-                "end_id": end_id, "stop_words": stop_words, "tree": tree}
+                "end_id": end_id, "stop_words": stop_words, "tree": tree, "rule": rule}
     for name, value in optional.items():
         if value is not None:
             body[name] = float(value) if INPUT_TYPES[name] == "FP32" else value

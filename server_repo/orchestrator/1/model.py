@@ -29,7 +29,7 @@ from specinfer.speculate import parse_tree  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
 
 INPUTS = ["text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
-          "stop_words", "exclude_input_in_output", "tree"]
+          "stop_words", "exclude_input_in_output", "tree", "rule"]
 
 
 class FusedModels:
@@ -62,7 +62,7 @@ class TritonPythonModel:
             max_context, eos_ids, vocab = fused.llm.max_context, list(fused.llm.config.eos_token_ids), fused.llm.vocab_size
             make = lambda req, stats: glue.MeteredSpeculator(
                 LocalSpeculator(fused.llm, fused.ssms, parse_tree(req.tree or tree), req.params, stats,
-                                seq_id=uuid.uuid4().hex, lookup=lookup), self.metrics)
+                                seq_id=uuid.uuid4().hex, lookup=lookup, rule=req.rule), self.metrics)
         else:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
             max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
@@ -71,7 +71,7 @@ class TritonPythonModel:
             call = lambda model, inputs: glue.bls(pb, model, inputs)
             key = glue.caller_key(args)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
-                                                       req.tree or tree, stats, key=key)
+                                                       req.tree or tree, stats, key=key, rule=req.rule)
         self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, vocab, make,
                                          int(p["budget"]))
 
@@ -90,7 +90,8 @@ class TritonPythonModel:
 
     def update_metrics(self):
         if self.fused is not None:
-            self.metrics.update(self.fused)
+            with self.metrics.lock:
+                self.metrics.update(self.fused)
 
     def run(self, request):
         sender = request.get_response_sender()
