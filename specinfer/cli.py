@@ -10,6 +10,7 @@ from .client.cli import add_client_parser
 from .engines.loader import ENGINES
 from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
 from .errors import SpecInferError
+from .verify import SAMPLING_RULES
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of this much mass")
     p.add_argument("--seed", type=int, default=None, help="random seed of a sampled generation (default: random)")
+    p.add_argument("--rule", choices=SAMPLING_RULES, default="mss",
+                   help="verification under sampling: multi-step speculative sampling, traversal verification "
+                        "(accepts at least as much) or naive; all keep the LLM's distribution exactly")
 
 
 def _add_min_confidence(p: argparse.ArgumentParser) -> None:
@@ -140,6 +144,7 @@ def cmd_validate(a) -> None:
 def cmd_generate(a) -> None:
     from .generate import Stats
     from .pipeline import Pipeline
+    from .text import shown_prompt
 
     params = _sampling_params(a)   # validates before loading models
     prompt = _prompt(a)
@@ -152,8 +157,10 @@ def cmd_generate(a) -> None:
     llm, ssms = _models(a, all_ssms=False)
     pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=tree, budget=a.budget, engine=a.engine,
                     max_context=a.max_context, threads=a.threads, min_confidence=min_confidence,
-                    lookup=not (a.no_lookup or a.no_speculation))
+                    lookup=not (a.no_lookup or a.no_speculation), rule=a.rule)
     stats = Stats()
+    if sys.stdout.isatty():   # a terminal sees the prompt, dimmed, then its continuation; a pipe only the latter
+        sys.stdout.write(shown_prompt(prompt, sys.stdout))
     for piece in pipe.stream(prompt, a.max_tokens, params, stats):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -305,35 +312,56 @@ def cmd_repo(a) -> None:
 
 
 def cmd_serve(a) -> None:
+    import os
+    import shutil
     import signal
     import tempfile
     import time
 
     from .repo import write_repository
-    from .server import TritonServer
+    from .server import ADMIN_KEY_ENV, TritonServer, describe_exit
 
-    repo = a.repo
-    if repo is None:  # the embedded default models
-        from .models import embedded_llm, embedded_ssms
-        repo = write_repository(embedded_llm(), embedded_ssms(), Path(tempfile.mkdtemp(prefix="specinfer-repo-")))
-    server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file)
-    print(f"starting tritonserver on {repo} ...", file=sys.stderr)
-    server.start()
-    print(f"ready: HTTP http://{server.http_url}/v2/models/ensemble/generate  gRPC {server.grpc_url}  "
-          f"metrics {server.metrics_url}  (Ctrl-C stops)")
+    # SIGTERM stops like Ctrl-C (and the cleanup below runs). SIGINT must stop the server even when
+    # our parent ignored it (a child inherits SIG_IGN, and Python then installs no KeyboardInterrupt
+    # handler): seen under pytest after onnxruntime-genai had run in the same process.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    # Ctrl-C must stop the server even when our parent ignored SIGINT (a child inherits SIG_IGN,
-    # and Python then installs no KeyboardInterrupt handler): seen under pytest after
-    # onnxruntime-genai had run in the same process.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    repo, made = a.repo, None
+    if repo is None:  # the embedded default models, in a folder of ours (deleted when we stop)
+        from .models import embedded_llm, embedded_ssms
+        made = Path(tempfile.mkdtemp(prefix="specinfer-repo-"))
     try:
-        while server.process.poll() is None:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+        if made is not None:
+            repo = write_repository(embedded_llm(), embedded_ssms(), made)
+        server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file,
+                              gateway=not a.no_gateway, max_request_bytes=a.max_request_bytes, admin_key=a.admin_key,
+                              open_admin_api=a.open_admin_api, grace_period=a.grace_period)
+        print(f"starting tritonserver on {repo} ...", file=sys.stderr)
+        try:
+            server.start(timeout=a.ready_timeout)
+            if server.admin_key is None:
+                admin = "open (--open-admin-api)"
+            elif a.admin_key or os.environ.get(ADMIN_KEY_ENV):
+                admin = "need the header 'specinfer-admin-key' with the given key"
+            else:
+                admin = "need the header 'specinfer-admin-key' with a random key (give --admin-key to use them)"
+            print(f"ready: HTTP http://{server.http_url}/v2/models/ensemble/generate  gRPC {server.grpc_url}  "
+                  f"metrics {server.metrics_url}  (Ctrl-C stops)", flush=True)
+            print(f"administrative APIs {admin}; tritonserver's log: {server.log_file}; shared memory: "
+                  f"/dev/shm/{server.shm_prefix}*", file=sys.stderr)
+            while server.process.poll() is None:
+                time.sleep(0.5)
+            # Died under us: no half-alive state (`finally` stops the gateway too), one clear line,
+            # non-zero exit.
+            raise SpecInferError(f"tritonserver stopped unexpectedly with {describe_exit(server.process.returncode)}; "
+                                 f"its log: {server.log_file}")
+        except KeyboardInterrupt:
+            print("stopping tritonserver ...", file=sys.stderr)
+        finally:
+            server.stop()
     finally:
-        print("stopping tritonserver ...", file=sys.stderr)
-        server.stop()
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):
@@ -447,13 +475,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model repository from tritonserver (default: the embedded models)")
     p.add_argument("repo", nargs="?", default=None, help="a repository (specinfer repo); default: the embedded models' one, written to a temporary folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--http-port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (the gateway's)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=8002, help="metrics port")
-    p.add_argument("--log-file", default=None, help="write tritonserver's log here (default: not kept)")
+    p.add_argument("--log-file", default=None, help="write tritonserver's log here (default: a temporary file, "
+                                                    "deleted on a clean stop, kept if the server fails)")
+    # 1 MiB: gateway.DEFAULT_MAX_REQUEST_BYTES, not imported here (aiohttp loads only to serve).
+    p.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
+                   help="larger HTTP request bodies are refused (413)")
+    p.add_argument("--admin-key", default=None, help="the key (header 'specinfer-admin-key', HTTP and gRPC) that "
+                                                     "opens the administrative APIs: model repository, config, "
+                                                     "statistics, trace, logging, shared memory (default: "
+                                                     "$SPECINFER_ADMIN_KEY, else random)")
+    p.add_argument("--open-admin-api", action="store_true", help="no key needed for the administrative APIs")
+    p.add_argument("--grace-period", type=float, default=5.0,
+                   help="seconds in-flight requests get when the server stops, before it is killed")
+    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds the models get to load")
+    p.add_argument("--no-gateway", action="store_true", help="clients reach tritonserver's own HTTP port (which "
+                                                             "a large form-urlencoded body crashes)")
     p.set_defaults(func=cmd_serve)
 
-    add_client_parser(sub)
+    add_client_parser(sub, _HelpWithDefaults)
 
     p = sub.add_parser("bench", help="our incremental and speculative decoding vs transformers and onnxruntime-genai, "
                                       "side by side, outputs checked equal (default: the embedded models)")
@@ -467,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
-    p.add_argument("--sampling", action="store_true", help="temperature 1: multi-step vs naive speculative sampling")
+    p.add_argument("--sampling", action="store_true",
+                   help="sampling at temperatures 1 and 0.7: MSS, traversal and naive verification on each tree")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (prompt i uses seed + i)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     _add_lookup(p)

@@ -166,6 +166,8 @@ def _session_server(tmp_path_factory, served_pair):
 @pytest.fixture
 def triton_server(_session_server):
     """A real tritonserver on 127.0.0.1 serving a repository of `served_pair`, for the whole session.
+    HTTP goes through the gateway (`http_url`); the administrative APIs need `admin_headers` (HTTP)
+    or `grpc_admin_headers` (gRPC).
     If it cannot start, the first test that needs it fails with the server's log tail and the
     others are skipped, rather than every one of them erroring with the same start-up failure."""
     if isinstance(_session_server, str):

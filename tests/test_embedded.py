@@ -59,3 +59,28 @@ def test_generate_works_straight_after_install():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()  # the continuation (the prompt is not echoed)
     assert "tokens/step" in r.stderr  # speculative by default: the SSMs' statistics
+
+
+def test_the_demo_shows_the_prompt_boundary_and_a_sampled_continuation(capsys):
+    from specinfer.demo import main
+    main(["--prompt", "def fibonacci(n):\n", "--max-tokens", "12"])
+    out = capsys.readouterr().out
+    greedy = out.split("== speculative, greedy ==\n")[1].split("\n-- ")[0]
+    assert greedy.startswith("def fibonacci(n):\n\n>>> generated:\n") and len(greedy) > len("def fibonacci(n):\n\n>>> generated:\n")
+    assert "== speculative, sampled at temperature 0.7 ==" in out
+    assert "greedy speculative output identical to incremental on all 1 prompts" in out
+
+
+def test_generate_on_a_terminal_dims_the_prompt():
+    """On a terminal, the prompt comes first, dimmed, then the continuation; a pipe gets only the latter."""
+    import os
+    import pty
+    main_fd, child_fd = pty.openpty()
+    r = subprocess.run([sys.executable, "-m", "specinfer.cli", "generate", "def f(x):", "--max-tokens", "4"],
+                       stdout=child_fd, stderr=subprocess.PIPE, timeout=900, env={k: v for k, v in os.environ.items()
+                                                                                    if k != "NO_COLOR"})
+    os.close(child_fd)
+    out = os.read(main_fd, 65536).decode()
+    os.close(main_fd)
+    assert r.returncode == 0, r.stderr
+    assert out.startswith("\x1b[2mdef f(x):\x1b[0m") and len(out.strip()) > len("\x1b[2mdef f(x):\x1b[0m")

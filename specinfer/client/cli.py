@@ -46,7 +46,8 @@ def add_client_parser(subparsers, formatter=argparse.HelpFormatter) -> argparse.
         description="Talk to a running specinfer Triton deployment.", formatter_class=formatter,
         epilog='examples: specinfer client generate "def f(x):" --protocol grpc --stream; '
                "specinfer client bench --concurrency 8 --requests 64 --stream")
-    sub = p.add_subparsers(dest="client_command", required=True, metavar="{generate,bench}")
+    sub = p.add_subparsers(dest="client_command", required=True, metavar="{generate,bench}",
+                           help="generate from one prompt, or load the deployment")
     common = _connection_and_request(formatter)
     g = sub.add_parser("generate", parents=[common], formatter_class=formatter, help="generate from one prompt",
                        description="Generate from one prompt and print the text.")

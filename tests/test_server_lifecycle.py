@@ -1,0 +1,325 @@
+"""The serving process around tritonserver: the HTTP gateway's limits and checks, the restricted
+administrative APIs, stopping, crashing, and two servers on one machine."""
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+MODEL = "ensemble"
+ADMIN_HEADER = "specinfer-admin-key"
+
+
+def request(server, method, path, body=b"", headers=None, chunked=False, timeout=120):
+    """(status, body text) of one HTTP request to the server's public address."""
+    host, port = server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        if chunked:
+            conn.putrequest(method, path)
+            for k, v in (headers or {}).items():
+                conn.putheader(k, v)
+            conn.putheader("Transfer-Encoding", "chunked")
+            conn.endheaders()
+            try:
+                for i in range(0, len(body), 1 << 16):
+                    piece = body[i:i + (1 << 16)]
+                    conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+                conn.send(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass   # refused before the end: the answer is still there to read
+        else:
+            conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def generate(server, path=f"/v2/models/{MODEL}/generate", **body):
+    return request(server, "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+
+def error_of(text: str) -> str:
+    """The error of a JSON answer, or of the first server-sent event of a stream's."""
+    if text.startswith("data:"):
+        text = text.splitlines()[0][5:]
+    return json.loads(text)["error"]
+
+
+def assert_serving(server):
+    assert request(server, "GET", "/v2/health/ready")[0] == 200
+    status, text = generate(server, text_input="def f(x):", max_tokens=4)
+    assert status == 200 and json.loads(text)["text_output"], text
+
+
+# -- the gateway, on the session's server -----------------------------------------------------------
+
+FORM = {"Content-Type": "application/x-www-form-urlencoded"}
+BIG = b"a=" + b"x" * (10 << 20)   # about 10 MB: crashed tritonserver's HTTP front end (SIGSEGV)
+
+
+@pytest.mark.parametrize("path", [f"/v2/models/{MODEL}/generate", f"/v2/models/{MODEL}/infer", "/v2/repository/index"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_10mb_form_post_is_refused_and_the_server_stays_up(triton_server, path, chunked):
+    status, text = request(triton_server, "POST", path, BIG, FORM, chunked=chunked)
+    assert status in (403, 413, 415), text
+    if status == 413:
+        assert "limit of 1048576 bytes" in error_of(text)
+    assert_serving(triton_server)
+
+
+def test_only_json_bodies_pass(triton_server):
+    status, text = request(triton_server, "POST", f"/v2/models/{MODEL}/generate", b"text_input=hi", FORM)
+    assert status == 415 and "application/json" in error_of(text)
+    status, text = request(triton_server, "POST", f"/v2/models/{MODEL}/generate", b"--x\r\n",
+                           {"Content-Type": "multipart/form-data; boundary=x"})
+    assert status == 415
+    # A JSON body labelled form-urlencoded (what curl -d and urllib send) goes on as JSON.
+    status, text = request(triton_server, "POST", f"/v2/models/{MODEL}/generate",
+                           json.dumps({"text_input": "x = [", "max_tokens": 2}).encode(), FORM)
+    assert status == 200, text
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/llm/unload"), ("GET", "/v2/models/llm/config"),
+    ("GET", "/v2/models/stats"), ("GET", "/v2/trace/setting"), ("GET", "/v2/logging"),
+    ("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/cudasharedmemory/status"),
+])
+def test_administrative_apis_are_forbidden_through_the_gateway(triton_server, method, path):
+    status, text = request(triton_server, method, path, b"{}" if method == "POST" else b"")
+    assert status == 403 and "--open-admin-api" in error_of(text) and ADMIN_HEADER in error_of(text)
+    wrong = request(triton_server, method, path, headers={ADMIN_HEADER: "not-the-key"})
+    assert wrong[0] == 403
+
+
+def test_the_admin_key_opens_them(triton_server):
+    status, text = request(triton_server, "POST", "/v2/repository/index", b"{}", triton_server.admin_headers)
+    assert status == 200 and "llm" in {m["name"] for m in json.loads(text)}
+
+
+def test_grpc_shared_memory_registration_needs_the_key(triton_server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    key = f"/specinfer_test_{os.getpid()}"
+    region = shm.create_shared_memory_region("test_region", key, 64)
+    try:
+        with pytest.raises(InferenceServerException, match="restricted"):
+            client.register_system_shared_memory("test_region", key, 64)
+        admin = triton_server.grpc_admin_headers
+        client.register_system_shared_memory("test_region", key, 64, headers=admin)
+        assert "test_region" in str(client.get_system_shared_memory_status(headers=admin))
+        client.unregister_system_shared_memory("test_region", headers=admin)
+    finally:
+        shm.destroy_shared_memory_region(region)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text_input": 5}, "input 'text_input' must be a string"),
+    ({"text_input": "hi", "max_tokens": "abc"}, "input 'max_tokens' must be an integer in -2147483648..2147483647"),
+    ({"text_input": "hi", "max_tokens": 4294967304}, "input 'max_tokens' must be an integer in -2147483648..2147483647"),
+    ({"text_input": "hi", "max_tokens": True}, "input 'max_tokens' must be an integer"),
+    ({"text_input": "hi", "random_seed": -1}, "input 'random_seed' must be an integer in 0..18446744073709551615"),
+    ({"text_input": "hi", "stop_words": 5}, "input 'stop_words' must be a string"),
+    ({"text_input": "hi", "temperature": 1e39}, "input 'temperature' must be a finite number"),
+    ({"text_input": "hi", "stream": 1}, "input 'stream' must be true or false"),
+    ({"max_tokens": 3}, "missing input 'text_input'"),
+])
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+def test_generate_fields_are_checked_against_the_model(triton_server, body, message, endpoint):
+    status, text = generate(triton_server, f"/v2/models/{MODEL}/{endpoint}", **body)
+    assert status == 400 and message in error_of(text), text
+
+
+def test_malformed_json_and_unknown_model(triton_server):
+    status, text = request(triton_server, "POST", f"/v2/models/{MODEL}/generate", b'{"text_input": ',
+                           {"Content-Type": "application/json"})
+    assert status == 400 and error_of(text).startswith("request body is not valid JSON")
+    status, text = generate(triton_server, "/v2/models/nosuchmodel/generate", text_input="hi")
+    assert status in (400, 404) and "nosuchmodel" in error_of(text)
+
+
+def test_streams_pass_event_by_event_and_a_disconnect_cancels(triton_server):
+    """The first event arrives long before the end; a client that goes away frees the sequence."""
+    import urllib.request
+    host, port = triton_server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", f"/v2/models/{MODEL}/generate_stream",
+                 json.dumps({"text_input": "for i in range(10):", "max_tokens": 200, "stream": True}).encode(),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream")
+    assert r.readline().startswith(b"data:")   # the first event, while the rest is generated
+    conn.sock.close()   # go away mid-stream
+    conn.close()
+
+    def active():
+        text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
+        return sum(float(v) for v in re.findall(r'^specinfer_active_sequences{model="llm"} (\S+)$', text, re.MULTILINE))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and active():
+        time.sleep(0.5)
+    assert active() == 0
+    assert_serving(triton_server)
+
+
+# -- servers of their own: `specinfer serve` processes ------------------------------------------------
+
+class Serve:
+    """A `specinfer serve` process; its stderr goes to a file (an unread pipe would block it)."""
+
+    def __init__(self, tmp: Path, name: str, *args: str):
+        self.http, self.grpc = free_port(), free_port()
+        self.http_url = f"127.0.0.1:{self.http}"
+        self.stderr_path = tmp / f"{name}.stderr"
+        self.stderr = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specinfer.cli", "serve", *args, "--http-port", str(self.http),
+             "--grpc-port", str(self.grpc), "--metrics-port", str(free_port()), "--grace-period", "2"],
+            stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.ready_line = ""
+
+    def wait_ready(self) -> None:
+        self.ready_line = self.proc.stdout.readline()
+        assert self.ready_line.startswith("ready:"), self.log()
+
+    def log(self) -> str:
+        return self.stderr_path.read_text(errors="replace")[-3000:]
+
+    def shm_prefix(self) -> str:
+        return re.search(r"shared memory: /dev/shm/(\S+)\*", self.log()).group(1)
+
+    def repository(self) -> Path:
+        return Path(re.search(r"starting tritonserver on (\S+) \.\.\.", self.log()).group(1))
+
+    def tritonserver_pid(self) -> int:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return next(int(c) for c in children if "tritonserver" in Path(f"/proc/{c}/cmdline").read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.stderr.close()
+
+
+def shm_files(prefix: str) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def two_serves(served_pair, tmp_path_factory):
+    """Two `specinfer serve` started at the same moment: one on the embedded models (a temporary
+    repository of its own), one on a repository of `served_pair`."""
+    from specinfer.repo import write_repository
+    tmp = tmp_path_factory.mktemp("serves")
+    repo = write_repository(served_pair["llm"], served_pair["ssms"], tmp / "repo", tree="1,1,3,1,1,1")
+    serves = [Serve(tmp, "embedded"), Serve(tmp, "given", str(repo))]
+    try:
+        for s in serves:
+            s.wait_ready()
+        yield serves
+    finally:
+        for s in serves:
+            s.close()
+
+
+def test_two_servers_start_side_by_side_and_both_answer(two_serves):
+    for s in two_serves:
+        assert_serving(s)
+    assert two_serves[0].shm_prefix() != two_serves[1].shm_prefix()
+    assert all(shm_files(s.shm_prefix()) for s in two_serves)
+
+
+def test_sigterm_stops_within_the_grace_period_and_leaves_nothing(two_serves):
+    serve = two_serves[0]
+    prefix, repository = serve.shm_prefix(), serve.repository()
+    assert repository.is_dir() and shm_files(prefix)
+    start = time.monotonic()
+    serve.proc.send_signal(signal.SIGTERM)
+    code = serve.proc.wait(timeout=60)
+    took = time.monotonic() - start
+    assert code == 0 and took < 2 + 6, (code, took, serve.log())
+    assert not shm_files(prefix)
+    assert not repository.exists()
+    assert_serving(two_serves[1])   # the other one is untouched
+
+
+def test_a_dead_tritonserver_ends_serve_with_one_clear_line(two_serves):
+    serve = two_serves[1]
+    prefix = serve.shm_prefix()
+    os.kill(serve.tritonserver_pid(), signal.SIGKILL)
+    code = serve.proc.wait(timeout=30)
+    assert code != 0
+    line = re.search(r"tritonserver stopped unexpectedly with signal 9 \(SIGKILL\); its log: (\S+)", serve.log())
+    assert line and Path(line.group(1)).is_file()   # kept, for the post-mortem
+    Path(line.group(1)).unlink()
+    assert not shm_files(prefix)
+    with pytest.raises(OSError):   # the gateway went with it
+        request(serve, "GET", "/v2/health/ready", timeout=5)
+    assert serve.repository().is_dir()   # a repository given to serve is left alone
+
+
+# -- without a server ---------------------------------------------------------------------------------
+
+def test_tritonserver_command_line(tmp_path, monkeypatch):
+    from specinfer.server import Installation, TritonServer
+    monkeypatch.delenv("SPECINFER_ADMIN_KEY", raising=False)
+    install = Installation(Path("/bin/tritonserver"), Path("/backends"))
+    server = TritonServer(tmp_path, 9000, 9001, 9002, host="0.0.0.0", admin_key="k", grace_period=2.5)
+    server.triton_http_port = 9100
+    cmd = server.command(install)
+    assert "--http-port=9100" in cmd and "--http-address=127.0.0.1" in cmd   # behind the gateway
+    assert "--grpc-address=0.0.0.0" in cmd and "--metrics-address=0.0.0.0" in cmd
+    assert "--exit-timeout-secs=3" in cmd
+    restricted = "shared-memory,model-config,model-repository,statistics,trace,logging:specinfer-admin-key=k"
+    assert f"--http-restricted-api={restricted}" in cmd and f"--grpc-restricted-protocol={restricted}" in cmd
+    assert f"--backend-config=python,shm-region-prefix-name={server.shm_prefix}" in cmd
+    assert not any("restricted" in c for c in TritonServer(tmp_path, open_admin_api=True).command(install))
+    other = TritonServer(tmp_path)
+    assert other.admin_key and other.admin_key != TritonServer(tmp_path).admin_key   # random per launch
+    assert other.shm_prefix != server.shm_prefix
+
+
+def test_the_backend_folder_is_made_once_when_servers_start_together(tmp_path, monkeypatch):
+    """Servers starting at once share one complete folder (an exists-then-copy raced: FileExistsError)."""
+    import importlib.util
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specinfer.server import find_tritonserver
+    if shutil.which("tritonserver") or importlib.util.find_spec("pytriton") is None:
+        pytest.skip("needs the tritonserver bundled in nvidia-pytriton")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = (Path(importlib.util.find_spec("pytriton").origin).parent / "tritonserver" / "python_backend_stubs" / version
+            / "triton_python_backend_stub")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # the race is narrow: threads take turns often, for several rounds
+    try:
+        for round in range(20):
+            tmp = tmp_path / str(round)
+            tmp.mkdir()
+            monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+            with ThreadPoolExecutor(16) as pool:
+                folders = set(pool.map(lambda _: find_tritonserver().backends, range(16)))
+            assert len(folders) == 1
+            python = folders.pop() / "python"
+            assert (python / stub.name).read_bytes() == stub.read_bytes()
+            assert (python / "libtriton_python.so").is_file()
+            assert [p.name for p in tmp.iterdir()] == [python.parent.name]   # no half-made folder left
+    finally:
+        sys.setswitchinterval(switch)
