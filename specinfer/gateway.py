@@ -266,8 +266,6 @@ class Gateway:
         if binary_ok and BINARY_HEADER in request.headers and mime in ("", "application/octet-stream"):
             return True
         if mime in ("", "application/json", "application/x-www-form-urlencoded"):
-            if mime.endswith("urlencoded"):
-                request["form_label"] = True
             return False
         accepted = "application/json" + (f", or application/octet-stream with {BINARY_HEADER}" if binary_ok else "")
         raise _Refusal(415, f"unsupported Content-Type {raw!r}: this endpoint accepts {accepted}")
@@ -283,7 +281,8 @@ class Gateway:
             body += chunk
             if len(body) > limit:
                 raise too_large
-        if body and request.get("form_label"):
+        form_label = request.headers.get("Content-Type", "").split(";")[0].strip().lower().endswith("urlencoded")
+        if body and form_label:
             try:
                 json.loads(body)
             except ValueError:
