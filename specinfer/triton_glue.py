@@ -159,15 +159,20 @@ def reclaim_idle(model, lock: threading.Lock, idle_seconds: float, metrics: "Met
 
 
 class MeteredSpeculator:
-    """A speculator whose steps feed a model's step-time and accepted-tokens metrics (the fused
-    orchestrator runs its models in process, and reports what the ``llm`` model reports)."""
+    """A speculator whose steps feed a model's metrics (the fused orchestrator runs its models in
+    process, and reports what the ``llm`` model reports): step time and accepted tokens each step,
+    and the gauges of ``models`` (their sequences and KV) when a sequence starts or ends, the only
+    times they change."""
 
-    def __init__(self, speculator, metrics: "Metrics"):
-        self.inner, self.metrics = speculator, metrics
+    def __init__(self, speculator, metrics: "Metrics", models):
+        self.inner, self.metrics, self.models = speculator, metrics, models
         self.max_context = speculator.max_context
 
     def start(self, prefix: list[int]) -> None:
-        self.inner.start(prefix)
+        try:
+            self.inner.start(prefix)
+        finally:
+            self._update_gauges()
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
         start = time.perf_counter()
@@ -178,4 +183,11 @@ class MeteredSpeculator:
         return path, bonus
 
     def release(self) -> None:
-        self.inner.release()
+        try:
+            self.inner.release()
+        finally:
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        with self.metrics.lock:
+            self.metrics.update(self.models)

@@ -326,3 +326,41 @@ def test_the_rule_is_read_checked_and_sent_to_the_llm():
                                   [], "s", 256, SamplingParams(temperature=1.0), None, Stats(), rule="traversal")
     speculator.step(5, 8)
     assert sent[-1]["rule"].tolist() == [b"traversal"]
+
+
+def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(models):
+    """MeteredSpeculator: step time and accepted tokens every step; the gauges (sequences, KV) only
+    on start and release, the only times they change, not on every streamed piece."""
+    from specinfer.generate import LocalSpeculator
+    from specinfer.triton_glue import MeteredSpeculator
+    llm, ssms, _, _ = models
+
+    class Recorded:
+        def __init__(self):
+            self.values = []
+
+        def observe(self, v):
+            self.values.append(v)
+
+    class FakeMetrics:
+        lock = threading.Lock()
+        step_seconds, accepted = Recorded(), Recorded()
+        gauges = []
+
+        def update(self, model):   # as glue.Metrics.update reads a model
+            self.gauges.append((len(model.sequences), model.kv_bytes()))
+
+    class Models:   # as the fused orchestrator's FusedModels, over the LLM alone
+        @property
+        def sequences(self):
+            return llm.sequences()
+
+        def kv_bytes(self):
+            return sum(llm.kv_bytes(s) for s in llm.sequences())
+
+    metrics = FakeMetrics()
+    speculator = MeteredSpeculator(LocalSpeculator(llm, ssms[:1], TREE, SamplingParams()), metrics, Models())
+    steps = [len(ids) for ids in decode(speculator, [1, 2, 3], 12)]
+    assert len(metrics.accepted.values) == len(steps) == len(metrics.step_seconds.values)
+    assert len(metrics.gauges) == 2 and metrics.gauges[0][0] == 1 and metrics.gauges[0][1] > 0
+    assert metrics.gauges[1] == (0, 0)

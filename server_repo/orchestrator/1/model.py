@@ -55,14 +55,13 @@ class TritonPythonModel:
         self.decoupled = glue.is_decoupled(pb, args)
         tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
         lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
-        self.fused = None
         if p["mode"] == "fused":
-            self.fused = fused = FusedModels(p)
+            fused = FusedModels(p)
             self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
             max_context, eos_ids, vocab = fused.llm.max_context, list(fused.llm.config.eos_token_ids), fused.llm.vocab_size
             make = lambda req, stats: glue.MeteredSpeculator(
                 LocalSpeculator(fused.llm, fused.ssms, parse_tree(req.tree or tree), req.params, stats,
-                                seq_id=uuid.uuid4().hex, lookup=lookup, rule=req.rule), self.metrics)
+                                seq_id=uuid.uuid4().hex, lookup=lookup, rule=req.rule), self.metrics, fused)
         else:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
             max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
@@ -88,23 +87,14 @@ class TritonPythonModel:
             raise ServerStopping("the server is stopping: the request ended early")
         return cancelled()
 
-    def update_metrics(self):
-        if self.fused is not None:
-            with self.metrics.lock:
-                self.metrics.update(self.fused)
-
     def run(self, request):
         sender = request.get_response_sender()
         try:
-            self.update_metrics()
             inputs = glue.read(pb, request, INPUTS)
             if not self.decoupled and inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
                 raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
             for tensors, final in self.orchestrator.run(inputs, lambda: self.ended(request.is_cancelled)):
-                self.update_metrics()
                 if final or self.decoupled:
                     sender.send(glue.response(pb, tensors), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
             sender.send(glue.error(pb, e, self.name), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        finally:
-            self.update_metrics()
