@@ -14,3 +14,8 @@ class RequestError(SpecInferError):
 class ServerStopping(SpecInferError):
     """The server is stopping: a running request ends early with this (Triton's UNAVAILABLE, which
     clients may retry on another server)."""
+
+
+class ServerBusy(SpecInferError):
+    """The server cannot take the request now (its KV memory is in use and its queue full): Triton's
+    UNAVAILABLE, which clients may retry later."""

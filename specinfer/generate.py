@@ -97,24 +97,30 @@ class LocalSpeculator:
 
     def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), tree: Sequence[int] | None = None,
                  params: SamplingParams = SamplingParams(), stats: Stats | None = None, seq_id=None,
-                 rule: str = "mss", min_confidence: float = 0.0, lookup: bool = False):
-        """``tree``: widths per depth (SpecInfer's expansion), or None for the dynamic tree;
-        ``lookup``: the dynamic tree also drafts by lookup in the sequence (lookup.py)."""
+                 rule: str = "mss", min_confidence: float = 0.0, lookup: bool = False, capacity: int | None = None):
+        """``tree``: widths per depth (SpecInfer's expansion), None for the dynamic tree, [] for
+        none (incremental decoding);
+        ``lookup``: the dynamic tree also drafts by lookup in the sequence (lookup.py);
+        ``capacity``: tokens the sequence may reach (default the LLM's context). An SSM with a
+        shorter context drafts while the sequence fits it, then no more."""
         check_vocab(llm, ssms)
         if rule not in SAMPLING_RULES:
             raise SpecInferError(f"unknown sampling rule {rule!r}: expected one of {', '.join(SAMPLING_RULES)}")
         lookup = lookup and tree is None
+        if tree is not None and not tree:   # "none": incremental decoding, no drafter at all
+            ssms = ()
         self.sizer = TreeSizer(step_cost(llm)) if tree is None and (ssms or lookup) else None
         self.tree = [1] * DYNAMIC_DEPTH if tree is None else list(tree)
         self.llm, self.params, self.rule = llm, params, rule
-        self.max_context = llm.max_context
+        self.max_context = capacity = llm.max_context if capacity is None else capacity
         self.stats = stats if stats is not None else Stats()
         self.rng = np.random.default_rng(params.seed)
-        self.seq = llm.start(seq_id)
+        self.seq = llm.start(seq_id, capacity)
         self.drafters: list[SSMDrafter] = []
         self.lookup: LookupDrafter | None = None
         try:
-            self.drafters = [SSMDrafter(rt, i, seq_id=seq_id, min_confidence=min_confidence, sizer=self.sizer)
+            self.drafters = [SSMDrafter(rt, i, min(capacity, rt.max_context), seq_id=seq_id,
+                                        min_confidence=min_confidence, sizer=self.sizer)
                              for i, rt in enumerate(ssms)]
             self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup"), DYNAMIC_DEPTH) \
                 if lookup else None
@@ -122,18 +128,33 @@ class LocalSpeculator:
             self.release()
             raise
         self.last_path: list[int] = []
+        self._draft_seconds = 0.0
 
     def start(self, prefix: list[int]) -> None:
         t0 = time.perf_counter()
         if prefix:
             self.llm.prefill(self.seq, prefix)
-        t1 = time.perf_counter()
+        self.stats.llm_seconds += time.perf_counter() - t0
+        self.start_drafters(prefix)
+
+    def start_drafters(self, prefix: list[int]) -> None:
+        """The drafters' half of :meth:`start` (a scheduler prefills the LLM with other work)."""
+        t0 = time.perf_counter()
         for d in self.drafters + ([self.lookup] if self.lookup else []):
             d.prefill(prefix)
-        self.stats.llm_seconds += t1 - t0
-        self.stats.ssm_seconds += time.perf_counter() - t1
+        self.stats.ssm_seconds += time.perf_counter() - t0
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        tree = self.propose(root, budget)
+        start = time.perf_counter()
+        logits = self.llm.score(self.seq, tree.tokens, tree.parents)
+        return self.settle(tree, logits, time.perf_counter() - start)
+
+    # A step in two halves, so that a scheduler can verify many sequences' trees in one LLM call
+    # between them (scheduler.py): the step algorithm is these two whoever calls them.
+    def propose(self, root: int, budget: int) -> TokenTree:
+        """Draft from ``root`` and merge the drafts into one tree of at most ``budget`` nodes (the
+        drafters first learn last step's verdict)."""
         t0 = time.perf_counter()
         trees, lead = [], 0.0
         if self.lookup is not None:   # first, as an SSM need not run where the lookup's draft is better
@@ -147,20 +168,30 @@ class LocalSpeculator:
                 d.commit(self.last_path)  # the SSMs learn last step's verdict before they draft
             if budget > 1:
                 trees.append(d.draft(root, self.tree, self.params, self.rng, budget, lead))
-        token_tree = merge(trees, budget)[0] if trees else TokenTree(root)
-        t1 = time.perf_counter()
-        logits = self.llm.score(self.seq, token_tree.tokens, token_tree.parents)
-        verdict = verify(token_tree, logits, self.params, self.rng, self.rule)
+        self.last_path = []
+        self._draft_seconds = time.perf_counter() - t0
+        self.stats.ssm_seconds += self._draft_seconds
+        return merge(trees, budget)[0] if trees else TokenTree(root)
+
+    def settle(self, tree: TokenTree, logits: np.ndarray, llm_seconds: float) -> tuple[list[int], int]:
+        """Verify ``tree`` with the LLM's ``logits`` for it (its nodes are pending in the LLM's
+        sequence) and commit the accepted path; return its tokens (root first) and the bonus token.
+        If verification fails the tree is dropped, so the sequence can still step."""
+        t0 = time.perf_counter()
+        try:
+            verdict = verify(tree, logits, self.params, self.rng, self.rule)
+        except BaseException:
+            self.llm.commit(self.seq, [])
+            raise
         self.llm.commit(self.seq, verdict.path)
-        t2 = time.perf_counter()
+        llm_seconds += time.perf_counter() - t0
         if self.sizer is not None:   # what drafting and verification cost, as they run
             drafted = any(d.drafted for d in self.drafters)
-            self.sizer.observe(t1 - t0 if drafted else None, tree_tokens=len(token_tree), llm_seconds=t2 - t1)
-        self.stats.ssm_seconds += t1 - t0
-        self.stats.llm_seconds += t2 - t1
-        self.stats.draft_tokens += len(token_tree) - 1
+            self.sizer.observe(self._draft_seconds if drafted else None, tree_tokens=len(tree), llm_seconds=llm_seconds)
+        self.stats.llm_seconds += llm_seconds
+        self.stats.draft_tokens += len(tree) - 1
         self.stats.accepted_draft_tokens += len(verdict.path) - 1
-        self.last_path = [token_tree.tokens[i] for i in verdict.path]
+        self.last_path = [tree.tokens[i] for i in verdict.path]
         return self.last_path, verdict.bonus
 
     def release(self) -> None:

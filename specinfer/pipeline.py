@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .engines.loader import load_runtime
-from .generate import DEFAULT_BUDGET, Stats, generate_ids
+from .generate import DEFAULT_BUDGET, Stats, decode
+from .scheduler import BATCH_TREE_TOKENS, Scheduler
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, parse_tree
 from .text import TextStream, load_tokenizer
@@ -22,10 +23,15 @@ class Pipeline:
 
     def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] | None = DYNAMIC,
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
-                 threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss"):
+                 threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
+                 kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
-        verification rule under sampling ("mss", "traversal" or "naive"; see verify.py)."""
+        verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
+
+        Streams may run from many threads at once: their steps are batched (scheduler.py), under
+        ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
+        ``batch_tree_tokens`` nodes per batch."""
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.tree = parse_tree(tree)
@@ -33,15 +39,17 @@ class Pipeline:
         self.min_confidence, self.lookup, self.rule = min_confidence, lookup, rule
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
         self.eos_ids = self.llm.config.eos_token_ids
+        self.scheduler = Scheduler(self.llm, self.ssms, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids
 
     def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                    params: SamplingParams = SamplingParams(), stats: Stats | None = None) -> Iterator[list[int]]:
-        return generate_ids(self.llm, prompt_ids, ssms=self.ssms, tree=self.tree, params=params,
-                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, budget=self.budget, stats=stats,
-                            min_confidence=self.min_confidence, lookup=self.lookup, rule=self.rule)
+        stats = stats if stats is not None else Stats()
+        speculator = self.scheduler.speculator(max_new_tokens, params, self.tree, rule=self.rule, lookup=self.lookup,
+                                               min_confidence=self.min_confidence, stats=stats, budget=self.budget)
+        return decode(speculator, prompt_ids, max_new_tokens, self.eos_ids, self.budget, stats)
 
     def stream(self, prompt: str, max_new_tokens: int = 128, params: SamplingParams = SamplingParams(),
                stats: Stats | None = None) -> Iterator[str]:

@@ -33,14 +33,18 @@ def parse_widths(spec: str) -> list[int]:
 
 
 DYNAMIC = "dynamic"   # the tree spec of the dynamic tree (tree_sizing.py)
+NONE = "none"         # the tree spec of no speculation: incremental decoding
 DYNAMIC_DEPTH = 8     # the most tokens an SSM drafts for it: one call of the exported drafter
 
 
 def parse_tree(spec: "str | Sequence[int] | None") -> list[int] | None:
-    """A tree spec: ``"dynamic"`` (or None) for the dynamic tree, returned as None; else widths
-    per depth as :func:`parse_widths` reads them."""
+    """A tree spec: ``"dynamic"`` (or None) for the dynamic tree, returned as None; ``"none"`` for
+    no speculation (incremental decoding), returned as []; else widths per depth as
+    :func:`parse_widths` reads them."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() == DYNAMIC):
         return None
+    if isinstance(spec, str) and spec.strip().lower() == NONE:
+        return []
     if isinstance(spec, str):
         return parse_widths(spec)
     return parse_widths(",".join(map(str, spec)))
@@ -115,8 +119,12 @@ class SSMDrafter:
         self._proposed: list[tuple[int, int, float]] = []
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache."""
+        """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache.
+        A prompt longer than the SSM's capacity waits as catch-up: this sequence gets no drafts."""
         tokens = self.catch_up + [int(t) for t in tokens]
+        if len(tokens) >= self.runtime.capacity(self.seq):
+            self.catch_up = tokens
+            return
         if tokens:
             self.runtime.prefill(self.seq, tokens)
         self.catch_up = []

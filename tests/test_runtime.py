@@ -76,6 +76,33 @@ def test_sequences_are_independent(runtime, reference):
     assert runtime.sequences() == ["client-7"]
 
 
+def test_many_sequences_scored_in_one_call(runtime, reference):
+    """score_batch: each sequence's logits are what it gets alone (against transformers' model),
+    trees and prefills of different lengths together, and a batch larger than a bucket."""
+    prompts = [PROMPT, [1, 2, 3], list(range(60, 130)), [9] * 5, [4, 8]]   # 70 tokens: past a first buffer
+    seqs = [runtime.start() for _ in prompts]
+    runtime.score_batch([(s, p, None) for s, p in zip(seqs, prompts)])
+    for s, p in zip(seqs, prompts):
+        runtime.commit(s, range(len(p)))
+    trees = [([10, 20, 30], [-1, 0, 0]), ([7], None), ([5, 6], [-1, 0]), ([11, 12, 13, 14], [-1, 0, 1, 0]), ([3], [-1])]
+    out = runtime.score_batch([(s, *t) for s, t in zip(seqs, trees)])
+    assert [len(o) for o in out] == [3, 1, 2, 4, 1]
+    assert np.abs(out[0][2] - reference(PROMPT + [10, 30])).max() < TOL
+    assert np.abs(out[2][1] - reference(prompts[2] + [5, 6])).max() < TOL
+    assert np.abs(out[3][3] - reference(prompts[3] + [11, 14])).max() < TOL
+    alone = runtime.start()
+    runtime.prefill(alone, prompts[3])
+    # Bit for bit what the sequence gets alone: batching never changes a greedy decision.
+    assert np.array_equal(runtime.score(alone, *trees[3]), out[3])
+    runtime.commit(seqs[3], [0, 3])
+    assert runtime.length(seqs[3]) == len(prompts[3]) + 2
+    with pytest.raises(SpecInferError, match="twice"):
+        runtime.score_batch([(seqs[0], [1], None), (seqs[0], [2], None)])
+    with pytest.raises(SpecInferError, match="out of range"):   # all or nothing: no sequence changed
+        runtime.score_batch([(seqs[1], [1], None), (seqs[2], [runtime.vocab_size], None)])
+    assert runtime.score_batch([(seqs[1], [1], None)])[0].shape == (1, runtime.vocab_size)
+
+
 def test_contract_errors(runtime):
     seq = runtime.start(capacity=10)
     with pytest.raises(SpecInferError, match="capacity 10 reached"):
@@ -95,18 +122,24 @@ def test_contract_errors(runtime):
 
 
 def test_onnxruntime_writes_kv_in_place(exported):
-    """No step copies the cache: new KV lands in the sequence's own buffer, which never moves."""
+    """No step copies the cache: new KV lands in the sequence's own buffer, which moves only when
+    the sequence outgrows it (then to one twice as large)."""
     rt = OrtRuntime(exported["llama3"])
     seq = rt.start()
     buffer = rt._sequences[seq].kv
     address = buffer.ctypes.data
+    assert buffer.shape[3] == min(rt.initial_slots, rt.max_context) < rt.max_context  # [L, K|V, Hkv, slot, D]
+    assert rt.kv_bytes(seq) == buffer.nbytes      # what it holds now, not what it may grow to
     rt.prefill(seq, PROMPT)
     rt.score(seq, [5])
     assert rt._sequences[seq].kv is buffer and buffer.ctypes.data == address
-    slots = buffer.shape.index(rt.max_context)                # [layer, K|V, kv_head, slot, head_dim]
-    assert slots == 3
     assert np.abs(buffer[:, :, :, len(PROMPT)]).sum() > 0      # the step's KV, written through the binding
     assert np.abs(buffer[:, :, :, len(PROMPT) + 1:]).sum() == 0  # nothing beyond it
+    before = buffer[:, :, :, :len(PROMPT) + 1].copy()
+    rt.score(seq, list(range(1, buffer.shape[3])))               # past the buffer's end: it grows
+    grown = rt._sequences[seq].kv
+    assert grown.shape[3] == 2 * buffer.shape[3] and rt.capacity(seq) == rt.max_context
+    assert np.array_equal(grown[:, :, :, :len(PROMPT) + 1], before)
 
 
 def test_tree_on_an_empty_cache(runtime, reference):

@@ -52,7 +52,8 @@ class SequenceState:
     """One sequence's state: its KV buffer, committed length and pending tree."""
 
     kv: Any                     # [L, 2, capacity, Hkv, D], numpy array or torch tensor
-    capacity: int
+    capacity: int               # slots allocated now
+    limit: int = 0              # slots it may grow to (its start's ``capacity``)
     length: int = 0             # committed tokens
     parents: list[int] = field(default_factory=list)   # pending nodes' parents (-1 = the prefix)
     depths: list[int] = field(default_factory=list)
@@ -71,6 +72,10 @@ class Runtime(abc.ABC):
     # Draft tokens one draft_chain call makes at its cheapest: a drafter asks in chunks of this
     # many and decides between chunks whether to go on (the base class drafts token by token).
     draft_depth: int = 1
+    # Slots a sequence's KV buffer starts with; it doubles as the sequence grows, up to the capacity
+    # asked at start. None: the whole capacity at once (an engine that cannot move its buffers).
+    initial_slots: int | None = None
+    slot_axis: int = 2          # the KV buffer's slot axis (growth copies the committed slots)
 
     def __init__(self, config: ModelConfig, max_context: int):
         self.config = config
@@ -102,12 +107,13 @@ class Runtime(abc.ABC):
         capacity = self.max_context if capacity is None else capacity
         if not 0 < capacity <= self.max_context:
             raise SpecInferError(f"capacity {capacity} is outside 1..{self.max_context} (the exported max context)")
+        slots = capacity if self.initial_slots is None else min(capacity, self.initial_slots)
         with self._lock:
             if seq_id is None:
                 seq_id = next(self._ids)
             if seq_id in self._sequences:
                 raise SpecInferError(f"sequence {seq_id!r} is already open")
-            self._sequences[seq_id] = SequenceState(self._allocate(capacity), capacity)
+            self._sequences[seq_id] = SequenceState(self._allocate(slots), slots, capacity)
         return seq_id
 
     def release(self, seq_id: Hashable) -> None:
@@ -123,11 +129,20 @@ class Runtime(abc.ABC):
         return self._get(seq_id).length
 
     def capacity(self, seq_id: Hashable) -> int:
-        return self._get(seq_id).capacity
+        """Tokens the sequence may hold (its KV buffer grows to it as needed)."""
+        seq = self._get(seq_id)
+        return seq.limit or seq.capacity
 
     def kv_bytes(self, seq_id: Hashable) -> int:
+        """Bytes of KV buffer the sequence holds now."""
         kv = self._get(seq_id).kv
         return int(kv.nbytes) if hasattr(kv, "nbytes") else int(kv.numel() * kv.element_size())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes in this model (float32 K and V in every layer)."""
+        c = self.config
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
 
     def score(self, seq_id: Hashable, tokens: Sequence[int], parents: Sequence[int] | None = None) -> np.ndarray:
         """Score new pending nodes; returns their logits, float32 [T, V].
@@ -137,6 +152,25 @@ class Runtime(abc.ABC):
         be smaller than node i's own index. ``None`` means a chain hanging from the last pending
         node (or from the prefix): a prefill or an incremental step.
         """
+        return self.score_batch([(seq_id, tokens, parents)])[0]
+
+    def score_batch(self, calls: Sequence[tuple[Hashable, Sequence[int], Sequence[int] | None]]) -> list[np.ndarray]:
+        """:meth:`score` for several sequences at once, ``(seq_id, tokens, parents)`` each, in one
+        model run where the engine can (many requests' trees verified together); their logits in
+        order. All or nothing: a bad call fails the batch before any sequence changes."""
+        ids = [c[0] for c in calls]
+        if len(set(ids)) != len(ids):
+            raise SpecInferError("a sequence appears twice in one batch")
+        prepared = [self._prepare(*call) for call in calls]
+        logits = self._forward_many([p[:4] for p in prepared])
+        for seq, _, _, _, parents, depths in prepared:
+            seq.parents = seq.parents + parents
+            seq.depths = seq.depths + depths
+        return logits
+
+    def _prepare(self, seq_id: Hashable, tokens: Sequence[int], parents: Sequence[int] | None):
+        """Check one score call and work out its positions and tree mask; the sequence's tree is
+        unchanged (its buffer may have grown)."""
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         t, m = len(tokens), seq.pending
@@ -149,21 +183,32 @@ class Runtime(abc.ABC):
         for i, p in enumerate(parents):
             if not -1 <= p < m + i:
                 raise SpecInferError(f"node {m + i} has parent {p}: parents must be -1 or an earlier node")
-        if seq.length + m + t > seq.capacity:
-            raise SpecInferError(f"context capacity {seq.capacity} reached: {seq.length} committed, "
+        need = seq.length + m + t
+        if need > (seq.limit or seq.capacity):
+            raise SpecInferError(f"context capacity {seq.limit or seq.capacity} reached: {seq.length} committed, "
                                  f"{m} pending and {t} new tokens do not fit")
-        all_parents = seq.parents + parents
+        if need > seq.capacity:
+            self._grow(seq, min(seq.limit, max(need, 2 * seq.capacity)))
         # Only the tree built since the last commit enters the mask; its first node sits at slot
         # `length`, so the mask covers N = m + t tree tokens and the prefix is implicit.
-        visible = ancestor_matrix(all_parents)
+        visible = ancestor_matrix(seq.parents + parents)
         depths = [0] * t
         for i, p in enumerate(parents):  # a node's parent may be in this very call
             depths[i] = 0 if p < 0 else (seq.depths[p] if p < m else depths[p - m]) + 1
         positions = seq.length + np.asarray(depths, dtype=np.int64)
-        logits = self._forward(seq, tokens, positions, visible)
-        seq.parents = all_parents
-        seq.depths = seq.depths + depths
-        return logits
+        return seq, tokens, positions, visible, parents, depths
+
+    def _forward_many(self, calls: list[tuple[SequenceState, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """:meth:`_forward` for several sequences; an engine that batches them overrides this."""
+        return [self._forward(*call) for call in calls]
+
+    def _grow(self, seq: SequenceState, slots: int) -> None:
+        """Move a sequence's KV into a bigger buffer (its committed and pending slots are copied)."""
+        kv = self._allocate(slots)
+        used = (slice(None),) * self.slot_axis + (slice(0, seq.length + seq.pending),)
+        kv[used] = seq.kv[used]
+        seq.kv, seq.capacity = kv, slots
+        seq.bindings.clear()   # an engine's handles point at the old buffer
 
     def commit(self, seq_id: Hashable, path: Sequence[int]) -> None:
         """Keep the pending nodes ``path`` (a root-to-leaf chain, in order), drop all others."""

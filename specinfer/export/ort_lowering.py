@@ -352,3 +352,75 @@ def validate_lowering(model_bytes: bytes, flat_model, config, max_context: int, 
         raise SpecInferError(f"validation failed: the ONNX Runtime lowering and PyTorch differ by {worst:.3g} "
                              f"(tolerance {tolerance}): {diffs}")
     return diffs
+
+
+# --- many sequences in one run ------------------------------------------------------------------------
+def slot_names(num_layers: int, slot: int) -> tuple[list[str], list[str]]:
+    """A batched graph's per-sequence inputs and KV outputs for sequence ``slot``."""
+    inputs = [f"attention_bias.{slot}", f"seqlens_k.{slot}", f"total_sequence_length.{slot}"]
+    inputs += [f"{name}.{slot}" for name in input_names(num_layers)[5:]]
+    return inputs, [f"{name}.{slot}" for name in output_names(num_layers)[1:]]
+
+
+def batch_sequences(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
+    """The lowered graph (:func:`lower`) rewritten to score the new tokens of ``slots`` sequences in
+    one run, each over its own KV cache.
+
+    GroupQueryAttention cannot batch trees over shared caches (batch must be 1 when more than one
+    new token meets a past), and everything else in a decoder works token by token. So the
+    sequences' new tokens go in as one row, ``input_ids``/``position_ids`` [1, T1 + ... + Tn], with
+    ``slot_tokens`` int64 [n] = (T1, ..., Tn): every MatMul reads the weights once for all of them,
+    and each layer splits its packed q|k|v by sequence, runs one attention per sequence on that
+    sequence's cache (``past_key.<layer>.<slot>``, bound in place as its present too, with its own
+    ``attention_bias.<slot>``, ``seqlens_k.<slot>``, ``total_sequence_length.<slot>``) and
+    concatenates the results. Logits are [1, T, V] in the same order."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    layers = sum(1 for n in graph.node if n.op_type == "GroupQueryAttention")
+    known = {v.name: v for v in list(graph.input) + list(graph.output)}
+    nodes = [helper.make_node("Split", ["position_ids", "slot_tokens"], [f"position_ids.{s}" for s in range(slots)],
+                              name="position_ids.split", axis=1)]
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention":
+            nodes.append(node)
+            continue
+        layer = int(node.input[3].rsplit(".", 1)[1])
+        qkv, attn = node.input[0], node.output[0]
+        nodes.append(helper.make_node("Split", [qkv, "slot_tokens"], [f"{qkv}.{s}" for s in range(slots)],
+                                      name=f"{qkv}.split", axis=1))
+        for s in range(slots):
+            inputs = list(node.input)
+            inputs[0] = f"{qkv}.{s}"
+            inputs[3:7] = [f"past_key.{layer}.{s}", f"past_value.{layer}.{s}", f"seqlens_k.{s}",
+                           f"total_sequence_length.{s}"]
+            inputs[9:11] = [f"position_ids.{s}", f"attention_bias.{s}"]
+            outputs = [f"{attn}.{s}", f"{node.output[1]}.{s}", f"{node.output[2]}.{s}"]
+            copy = helper.make_node(node.op_type, inputs, outputs, name=f"{node.name}.{s}", domain=node.domain)
+            copy.attribute.extend(node.attribute)
+            nodes.append(copy)
+        nodes.append(helper.make_node("Concat", [f"{attn}.{s}" for s in range(slots)], [attn], name=f"{attn}.concat",
+                                      axis=1))
+
+    def renamed(value, name):
+        """A value's info under its slot's name, its symbolic sizes the slot's own."""
+        copy = onnx.ValueInfoProto()
+        copy.CopyFrom(value)
+        copy.name = name
+        for dim in copy.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = f"{dim.dim_param}.{name.rsplit('.', 1)[1]}"
+        return copy
+
+    inputs = [known["input_ids"], known["position_ids"],
+              helper.make_tensor_value_info("slot_tokens", TensorProto.INT64, [slots])]
+    outputs = [known["logits"]]
+    for s in range(slots):
+        slot_inputs, slot_outputs = slot_names(layers, s)
+        inputs += [renamed(known[name.rsplit(".", 1)[0]], name) for name in slot_inputs]
+        outputs += [renamed(known[name.rsplit(".", 1)[0]], name) for name in slot_outputs]
+    batched = helper.make_graph(nodes, f"{graph.name}_x{slots}", inputs, outputs, list(graph.initializer))
+    out = helper.make_model(batched, opset_imports=list(model.opset_import), ir_version=model.ir_version,
+                            producer_name=model.producer_name)
+    return out

@@ -1,0 +1,305 @@
+"""Many sequences at once: continuous batching of speculation steps, KV memory under a budget.
+
+Every request runs :func:`specinfer.generate.decode` (the one loop) on its own thread, over a
+:class:`BatchedSpeculator`. Its ``start`` and ``step`` do not run the models: they hand the work
+to the scheduler's thread and wait. That thread takes whatever is ready, as one batch:
+
+    drafts: each sequence's SSMs and lookup draft and merge its tree    (LocalSpeculator.propose)
+    one LLM call scores every tree and every new prompt                  (Runtime.score_batch)
+    each sequence verifies its tree and commits the accepted path        (LocalSpeculator.settle)
+
+so the step algorithm is the one of :class:`~specinfer.generate.LocalSpeculator`, and requests join
+and leave between batches. Before it waits, the thread gives running sequences that have not
+asked for their next step yet a moment (``gather_seconds``) to do so.
+
+The tree a request verifies gets smaller as the batch grows: the batch's trees share
+``batch_tree_tokens`` nodes (SpecInfer finds small trees best from a batch of 4 up; the verification
+of many tokens is no longer almost free on these cores).
+
+KV memory: a request is admitted when the KV cache it may need (its prompt plus ``max_tokens``
+plus one tree, in the LLM and every SSM) fits in the budget beside the running requests'; it is
+reserved for the request's whole life, so a running request never runs out. The buffers themselves
+grow as the sequence does (``specinfer_kv_bytes`` is what they hold). A request that does not fit
+waits (at most ``max_waiting`` of them, each at most ``wait_seconds``), or is refused with an error
+that says why: it never takes memory from a running request.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .engines.runtime import Runtime
+from .errors import RequestError, ServerBusy, SpecInferError
+from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
+from .sampling import SamplingParams
+from .speculate import check_vocab
+
+BATCH_TREE_TOKENS = 64     # tree nodes a batch's trees share (one request alone: its whole budget)
+MIN_TREE = 2               # a request's tree is never cut below the root and one draft token
+
+
+def default_kv_budget() -> int:
+    """Half the memory available now (bytes), for the KV caches of every model in this process."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available // 2
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"100000"``: a byte count."""
+    units = {"": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024 ** 2,
+             "g": 1e9, "gb": 1e9, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12, "tib": 1024 ** 4}
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise SpecInferError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 100000)") from None
+    if not value > 0:
+        raise SpecInferError(f"a KV budget must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass
+class _Job:
+    """A sequence's request to the scheduler's thread: a start (prefix) or a step (root, budget)."""
+
+    spec: "BatchedSpeculator"
+    prefix: list[int] | None = None
+    root: int = 0
+    budget: int = DEFAULT_BUDGET
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+    def finish(self, result=None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class Scheduler:
+    """The batching engine of one process: an LLM and its SSMs, the requests running on them, and
+    the KV budget they share. Thread-safe; :meth:`speculator` makes a request's speculator."""
+
+    def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), *, kv_budget: int | None = None,
+                 batch_tree_tokens: int = BATCH_TREE_TOKENS, max_batch: int = 32, max_waiting: int = 64,
+                 wait_seconds: float = 60.0, gather_seconds: float = 0.002):
+        check_vocab(llm, ssms)
+        if batch_tree_tokens < MIN_TREE or max_batch < 1 or max_waiting < 0:
+            raise SpecInferError("batch_tree_tokens must be >= 2, max_batch >= 1 and max_waiting >= 0")
+        self.llm, self.ssms = llm, list(ssms)
+        self.kv_budget = default_kv_budget() if kv_budget is None else int(kv_budget)
+        self.batch_tree_tokens, self.max_batch, self.max_waiting = batch_tree_tokens, max_batch, max_waiting
+        self.wait_seconds, self.gather_seconds = wait_seconds, gather_seconds
+        self.bytes_per_token = llm.kv_bytes_per_token + sum(s.kv_bytes_per_token for s in self.ssms)
+        self.reserved = 0                        # bytes reserved by admitted requests
+        self.waiting = 0                         # requests waiting for memory
+        self.running: set[BatchedSpeculator] = set()
+        self.batches = 0                         # batches run, and the sequences they held
+        self.batched_sequences = 0
+        self.seconds = {"draft": 0.0, "llm": 0.0, "verify": 0.0}   # the batches' time, by part
+        self._jobs: list[_Job] = []
+        self._lock = threading.Condition()       # jobs, running, memory
+        self._run_lock = threading.Lock()        # held while a batch runs: no buffer is freed under it
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="specinfer-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- what requests see -------------------------------------------------------------------------
+    def speculator(self, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                   tree: Sequence[int] | None = None, *, rule: str = "mss", lookup: bool = False,
+                   min_confidence: float = 0.0, stats: Stats | None = None,
+                   budget: int = DEFAULT_BUDGET) -> "BatchedSpeculator":
+        """A request's speculator (see :class:`~specinfer.generate.LocalSpeculator` for the
+        arguments); ``max_new_tokens`` and ``budget`` size its KV reservation."""
+        return BatchedSpeculator(self, max_new_tokens, dict(tree=tree, params=params, rule=rule, lookup=lookup,
+                                                            min_confidence=min_confidence), stats, budget)
+
+    @property
+    def sequences(self) -> list:
+        return list(self.running)
+
+    @property
+    def mean_batch(self) -> float:
+        """Sequences per batch so far (starts and steps)."""
+        return self.batched_sequences / self.batches if self.batches else 0.0
+
+    def kv_bytes(self) -> int:
+        """Bytes the running sequences' KV buffers hold now (every model)."""
+        return sum(rt.kv_bytes(s) for rt in [self.llm] + self.ssms for s in rt.sequences())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    # --- admission ---------------------------------------------------------------------------------
+    def _admit(self, nbytes: int, tokens: int) -> None:
+        mb = 1 << 20
+        if nbytes > self.kv_budget:
+            raise RequestError(f"the request needs {nbytes / mb:.1f} MiB of KV cache ({tokens} tokens: prompt, "
+                               f"max_tokens and a tree); the server's KV budget is {self.kv_budget / mb:.1f} MiB: "
+                               f"ask for fewer tokens")
+        with self._lock:
+            if self.reserved + nbytes > self.kv_budget:
+                if self.waiting >= self.max_waiting:
+                    raise ServerBusy(f"the server is busy: its KV memory is in use and {self.waiting} requests "
+                                     f"already wait for it; try again later")
+                self.waiting += 1
+                try:
+                    deadline = time.monotonic() + self.wait_seconds
+                    while self.reserved + nbytes > self.kv_budget and not self._closed:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise ServerBusy(f"the server is busy: no KV memory came free in {self.wait_seconds:g} s; "
+                                             f"try again later")
+                        self._lock.wait(left)
+                finally:
+                    self.waiting -= 1
+            self.reserved += nbytes
+
+    def _free(self, nbytes: int) -> None:
+        with self._lock:
+            self.reserved -= nbytes
+            self._lock.notify_all()
+
+    # --- the scheduler's thread --------------------------------------------------------------------
+    def _submit(self, job: _Job):
+        with self._lock:
+            if self._closed:
+                raise ServerBusy("the scheduler is closed")
+            self._jobs.append(job)
+            self._lock.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._lock.wait()
+                if self._closed and not self._jobs:
+                    return
+                # Running sequences still busy with their last step's tokens get a moment to ask
+                # for their next step, so that it joins this batch.
+                deadline = time.monotonic() + self.gather_seconds
+                while len(self._jobs) < min(len(self.running), self.max_batch) and time.monotonic() < deadline:
+                    self._lock.wait(max(0.0, deadline - time.monotonic()))
+                jobs, self._jobs = self._jobs[:self.max_batch], self._jobs[self.max_batch:]
+            with self._run_lock:
+                try:
+                    self._run(jobs)
+                except BaseException as e:  # noqa: BLE001 - a bug here must fail the batch, not hang it
+                    for job in jobs:
+                        if not job.done.is_set():
+                            job.finish(error=e)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """One batch: drafts, one LLM call for every tree and prompt, verification of each."""
+        steps = [j for j in jobs if j.prefix is None]
+        starts = [j for j in jobs if j.prefix is not None]
+        self.batches += 1
+        self.batched_sequences += len(jobs)
+        share = max(MIN_TREE, self.batch_tree_tokens // max(1, len(steps)))
+        t0 = time.perf_counter()
+        trees = {}
+        for job in steps:
+            try:
+                trees[id(job)] = job.spec.local.propose(job.root, min(job.budget, share))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                job.finish(error=e)
+        for job in starts:
+            try:
+                job.spec.local.start_drafters(job.prefix)
+            except Exception as e:  # noqa: BLE001
+                job.finish(error=e)
+        live = [j for j in steps + starts if not j.done.is_set()]
+        calls = [(j.spec.local.seq, trees[id(j)].tokens, trees[id(j)].parents) if j.prefix is None
+                 else (j.spec.local.seq, j.prefix, None) for j in live]
+        live, calls = [j for j, c in zip(live, calls) if len(c[1])], [c for c in calls if len(c[1])]
+        started = time.perf_counter()
+        try:
+            outputs: list = self.llm.score_batch(calls) if calls else []
+        except Exception:  # noqa: BLE001 - find the call that fails: only its request fails
+            outputs = []
+            for call in calls:
+                try:
+                    outputs.append(self.llm.score_batch([call])[0])
+                except Exception as e:  # noqa: BLE001
+                    outputs.append(e)
+        seconds = time.perf_counter() - started
+        self.seconds["draft"] += started - t0
+        self.seconds["llm"] += seconds
+        for job, logits in zip(live, outputs):
+            if isinstance(logits, Exception):
+                job.finish(error=logits)
+                continue
+            try:
+                if job.prefix is None:
+                    job.finish(job.spec.local.settle(trees[id(job)], logits, seconds))
+                else:
+                    self.llm.commit(job.spec.local.seq, range(len(job.prefix)))
+                    job.spec.local.stats.llm_seconds += seconds
+                    job.finish()
+            except Exception as e:  # noqa: BLE001
+                job.finish(error=e)
+        for job in starts:   # an empty prefix: nothing for the LLM to prefill
+            if not job.done.is_set():
+                job.finish()
+        self.seconds["verify"] += time.perf_counter() - started - seconds
+
+
+class BatchedSpeculator:
+    """One request's :class:`~specinfer.generate.Speculator` on a :class:`Scheduler`: its state is
+    a LocalSpeculator's, its model calls run in the scheduler's batches."""
+
+    def __init__(self, scheduler: Scheduler, max_new_tokens: int, options: dict, stats: Stats | None, budget: int):
+        self.scheduler, self.max_new_tokens, self.options, self.budget = scheduler, max_new_tokens, options, budget
+        self.stats = stats if stats is not None else Stats()
+        self.max_context = scheduler.llm.max_context
+        self.local: LocalSpeculator | None = None
+        self.reserved = 0
+
+    def start(self, prefix: list[int]) -> None:
+        s = self.scheduler
+        # The prompt (prefix and root), max_new_tokens and one tree: the most this sequence holds.
+        tokens = min(s.llm.max_context, len(prefix) + 1 + self.max_new_tokens + self.budget)
+        nbytes = tokens * s.bytes_per_token
+        s._admit(nbytes, tokens)
+        self.reserved = nbytes
+        try:
+            self.local = LocalSpeculator(s.llm, s.ssms, stats=self.stats, seq_id=uuid.uuid4().hex, capacity=tokens,
+                                         **self.options)
+            with s._lock:
+                s.running.add(self)
+            s._submit(_Job(self, prefix=[int(t) for t in prefix]))
+        except BaseException:
+            self.release()
+            raise
+        self.max_context = tokens
+
+    def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        return self.scheduler._submit(_Job(self, root=int(root), budget=budget))
+
+    def release(self) -> None:
+        s = self.scheduler
+        with s._lock:
+            s.running.discard(self)
+        if self.local is not None:
+            with s._run_lock:   # never free a buffer that a running batch writes
+                self.local.release()
+            self.local = None
+        if self.reserved:
+            s._free(self.reserved)
+            self.reserved = 0
+

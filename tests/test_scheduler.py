@@ -1,0 +1,204 @@
+"""Continuous batching (scheduler.py): many requests' steps in one LLM call, exactly as each alone;
+KV memory under a budget; a failing request never takes the others of its batch with it."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import EOS
+from specinfer.engines.onnxruntime import OrtRuntime
+from specinfer.errors import RequestError, ServerBusy, SpecInferError
+from specinfer.generate import Stats, decode, generate_ids
+from specinfer.sampling import SamplingParams
+from specinfer.scheduler import Scheduler, parse_bytes
+from specinfer.speculate import parse_tree
+
+PROMPTS = [[1, 294, 72, 308], [1, 5], [1] + list(range(100, 130)), [1, 33, 33, 33, 200, 17], [1, 250, 3, 99],
+           [1, 7, 8], [1, 60, 61], [1, 200, 201, 202, 203]]
+
+
+@pytest.fixture(scope="module")
+def models(served_pair):
+    close, far = served_pair["ssms"]
+    return OrtRuntime(served_pair["llm"]), [OrtRuntime(close), OrtRuntime(far)]
+
+
+def alone(llm, prompt, n, **kw):
+    return [t for step in generate_ids(llm, prompt, max_new_tokens=n, eos_ids=[EOS], **kw) for t in step]
+
+
+def run_together(scheduler, prompts, n, params=SamplingParams(), tree=None, start_together=True, **kw):
+    """Every prompt on a thread of its own through the scheduler; each one's tokens (or exception)."""
+    out: list = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i):
+        try:
+            if start_together:
+                barrier.wait()
+            spec = scheduler.speculator(n, params, tree, **kw)
+            out[i] = [t for step in decode(spec, prompts[i], n, [EOS]) for t in step]
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "1,1,3,1", "none"])
+def test_greedy_under_batching_is_each_request_alone(models, tree):
+    llm, ssms = models
+    scheduler = Scheduler(llm, ssms, gather_seconds=0.01)
+    got = run_together(scheduler, PROMPTS, 40, tree=parse_tree(tree), lookup=tree == "dynamic")
+    want = [alone(llm, p, 40) for p in PROMPTS]     # incremental greedy decoding, one request at a time
+    assert got == want
+    assert scheduler.mean_batch > 1.5              # the steps really ran together
+    assert scheduler.reserved == 0 and scheduler.sequences == []
+    assert all(rt.sequences() == [] for rt in [llm] + ssms)   # every sequence freed
+
+
+def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
+    """With a seed, a sampled request gives what it gives alone (its own random stream), batched."""
+    llm, ssms = models
+    params = SamplingParams(temperature=0.8, seed=11)
+    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01)
+    got = run_together(scheduler, PROMPTS[:4], 30, params, tree=[2, 1, 1])
+    single = Scheduler(llm, ssms[:1])
+    want = [run_together(single, [p], 30, params, tree=[2, 1, 1])[0] for p in PROMPTS[:4]]
+    assert got == want and all(isinstance(g, list) and g for g in got)
+
+
+def test_tree_budget_shrinks_as_the_batch_grows(models):
+    llm, ssms = models
+    seen = []
+    scheduler = Scheduler(llm, ssms[:1], batch_tree_tokens=8, gather_seconds=0.01)
+    original = scheduler.llm.score_batch
+
+    def spy(calls):
+        seen.append([len(c[1]) for c in calls])
+        return original(calls)
+    scheduler.llm.score_batch = spy
+    try:
+        run_together(scheduler, PROMPTS[:4], 20, tree=[4, 4])
+    finally:
+        del scheduler.llm.score_batch
+    steps = [sizes for sizes in seen if len(sizes) == 4 and max(sizes) <= 8]
+    assert steps and all(max(s) <= 2 for s in steps)      # 8 tree nodes shared by 4: 2 each
+
+
+def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monkeypatch):
+    """One request's verification raises mid-generation: it alone fails; the others finish
+    exactly and nothing leaks."""
+    llm, ssms = models
+    from specinfer import generate
+
+    real = generate.verify
+    calls = {"n": 0}
+
+    def flaky(tree, logits, params, rng, rule):
+        calls["n"] += 1
+        if params.top_k == 7 and calls["n"] > 10:   # the marked request, after a few steps
+            raise RuntimeError("injected fault")
+        return real(tree, logits, params, rng, rule)
+    monkeypatch.setattr(generate, "verify", flaky)
+    scheduler = Scheduler(llm, ssms, gather_seconds=0.01)
+    out: list = [None] * 4
+
+    def run(i):
+        params = SamplingParams(top_k=7) if i == 0 else SamplingParams()
+        try:
+            out[i] = [t for s in decode(scheduler.speculator(40, params, [1, 1, 1]), PROMPTS[i], 40, [EOS]) for t in s]
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert isinstance(out[0], RuntimeError)
+    monkeypatch.setattr(generate, "verify", real)
+    assert out[1:] == [alone(llm, p, 40) for p in PROMPTS[1:4]]
+    assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
+
+
+def test_kv_budget_admits_what_fits_and_the_rest_waits_or_is_refused(models):
+    llm, ssms = models
+    per_token = llm.kv_bytes_per_token + ssms[0].kv_bytes_per_token
+    prompt, n = [1] + list(range(10, 40)), 20
+    need = (len(prompt) + n + 64) * per_token          # prompt, max tokens and one tree
+    # Room for two requests at once: six of them finish, never more than two running.
+    scheduler = Scheduler(llm, ssms[:1], kv_budget=2 * need + need // 2, gather_seconds=0.005)
+    peak = []
+    original = scheduler.llm.score_batch
+
+    def spy(calls):
+        peak.append(len(scheduler.running))
+        assert scheduler.kv_bytes() <= scheduler.kv_budget
+        return original(calls)
+    scheduler.llm.score_batch = spy
+    got = run_together(scheduler, [prompt] * 6, n)
+    del scheduler.llm.score_batch
+    assert got == [alone(llm, prompt, n)] * 6
+    assert max(peak) == 2 and scheduler.reserved == 0
+    # Larger than the whole budget: a clear client error at once.
+    with pytest.raises(RequestError, match="KV cache .* budget"):
+        list(decode(Scheduler(llm, kv_budget=need // 2).speculator(n), prompt, n))
+    # A full queue: refused with ServerBusy; a wait that lasts too long: ServerBusy too.
+    tight = Scheduler(llm, kv_budget=(len(prompt) + n + 64) * llm.kv_bytes_per_token, max_waiting=0)
+    holder = tight.speculator(n)
+    holder.start(prompt[:-1])
+    with pytest.raises(ServerBusy, match="busy"):
+        list(decode(tight.speculator(n), prompt, n))
+    tight.max_waiting, tight.wait_seconds = 4, 0.2
+    started = time.monotonic()
+    with pytest.raises(ServerBusy, match="no KV memory came free"):
+        list(decode(tight.speculator(n), prompt, n))
+    assert time.monotonic() - started >= 0.2
+    holder.release()
+    assert tight.reserved == 0
+    assert alone(llm, prompt, n) == [t for s in decode(tight.speculator(n), prompt, n, [EOS]) for t in s]
+
+
+def test_kv_buffers_grow_with_the_sequence_and_report_what_they_hold(models):
+    llm, _ = models
+    scheduler = Scheduler(llm)
+    n = llm.max_context - 10
+    spec = scheduler.speculator(n)
+    gen = decode(spec, [1, 2, 3], n, [])
+    next(gen)
+    small = scheduler.kv_bytes()
+    assert 0 < small <= llm.initial_slots * llm.kv_bytes_per_token    # not the whole context it reserved
+    assert spec.reserved >= 4 * small and llm.max_context >= 4 * llm.initial_slots
+    for _, _ in zip(range(150), gen):
+        pass
+    assert scheduler.kv_bytes() > small
+    gen.close()
+    assert scheduler.kv_bytes() == 0 and scheduler.reserved == 0
+
+
+def test_an_ssm_with_a_shorter_context_drafts_less_instead_of_failing(served_pair):
+    """The SSM holds 16 tokens; a 30-token prompt gets no drafts from it, and the output is exact."""
+    llm, ssm = OrtRuntime(served_pair["llm"]), OrtRuntime(served_pair["ssms"][0], max_context=16)
+    prompt = PROMPTS[2]
+    stats = Stats()
+    got = [t for s in generate_ids(llm, prompt, ssms=[ssm], tree=[1, 1], max_new_tokens=20, eos_ids=[EOS],
+                                   stats=stats) for t in s]
+    assert got == alone(llm, prompt, 20) and stats.draft_tokens == 0
+    short = [1, 5]
+    stats = Stats()
+    got = [t for s in generate_ids(llm, short, ssms=[ssm], tree=[1, 1], max_new_tokens=30, eos_ids=[], stats=stats)
+           for t in s]
+    assert got == [t for s in generate_ids(llm, short, max_new_tokens=30, eos_ids=[]) for t in s]
+    assert stats.draft_tokens > 0          # it drafted while the sequence fitted it
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512 MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    assert parse_bytes("1.5G") == 1_500_000_000
+    for bad in ("lots", "-1G", "0", "3 parsecs"):
+        with pytest.raises(SpecInferError):
+            parse_bytes(bad)
