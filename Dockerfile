@@ -9,13 +9,11 @@ FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3
 WORKDIR /opt/specinfer
 COPY pyproject.toml README.md ./
 COPY specinfer ./specinfer
-COPY server_repo ./server_repo
 COPY docker/entrypoint.sh /usr/local/bin/specinfer-entrypoint
 
 # torch, transformers and onnxscript export the checkpoints; tensorrt and polygraphy build engines.
 RUN pip install --no-cache-dir -e ".[export,triton,tensorrt,gpu]" && chmod +x /usr/local/bin/specinfer-entrypoint
 
-ENV SPECINFER_TEMPLATES=/opt/specinfer/server_repo \
-    SPECINFER_CACHE=/cache
+ENV SPECINFER_CACHE=/cache
 EXPOSE 8000 8001 8002
 ENTRYPOINT ["/usr/local/bin/specinfer-entrypoint"]

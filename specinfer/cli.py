@@ -304,7 +304,7 @@ def cmd_boost_tune(a) -> None:
 
 
 def cmd_repo(a) -> None:
-    from .repo import write_repository
+    from .serving.repository import write_repository
 
     repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads,
                             lookup=not a.no_lookup)
@@ -318,8 +318,8 @@ def cmd_serve(a) -> None:
     import tempfile
     import time
 
-    from .repo import write_repository
-    from .server import ADMIN_KEY_ENV, TritonServer, describe_exit
+    from .serving.repository import write_repository
+    from .serving.server import ADMIN_KEY_ENV, TritonServer, describe_exit
 
     # SIGTERM stops like Ctrl-C (and the cleanup below runs). SIGINT must stop the server even when
     # our parent ignored it (a child inherits SIG_IGN, and Python then installs no KeyboardInterrupt
@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="metrics port")
     p.add_argument("--log-file", default=None, help="write tritonserver's log here (default: a temporary file, "
                                                     "deleted on a clean stop, kept if the server fails)")
-    # 1 MiB: gateway.DEFAULT_MAX_REQUEST_BYTES, not imported here (aiohttp loads only to serve).
+    # 1 MiB: serving.gateway.DEFAULT_MAX_REQUEST_BYTES, not imported here (aiohttp loads only to serve).
     p.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20,
                    help="larger HTTP request bodies are refused (413)")
     p.add_argument("--admin-key", default=None, help="the key (header 'specinfer-admin-key', HTTP and gRPC) that "

@@ -145,8 +145,8 @@ def _session_server(tmp_path_factory, served_pair):
     import importlib.util
     if importlib.util.find_spec("pytriton") is None and not __import__("shutil").which("tritonserver"):
         pytest.skip("no tritonserver here (pip install --no-deps nvidia-pytriton)")
-    from specinfer.repo import write_repository
-    from specinfer.server import TritonServer
+    from specinfer.serving.repository import write_repository
+    from specinfer.serving.server import TritonServer
 
     root = tmp_path_factory.mktemp("triton")
     repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1")

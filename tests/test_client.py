@@ -182,13 +182,15 @@ def test_main_cli_has_client(triton_server, expected):
 def test_bench(triton_server, protocol, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli("client", "bench", "--url", url(triton_server, protocol), "--protocol", protocol, "--concurrency", "2",
-               "--requests", "4", "--stream", "--max-tokens", "16", "--json", str(out)) == 0
+               "--requests", "4", "--stream", "--max-tokens", "16", "--contenders", "speculative", "--details",
+               "--json", str(out)) == 0
     table = capsys.readouterr().out
     assert "| TTFT (ms) |" in table and "4 of 4 requests ok, 0 errors" in table
     report = json.loads(out.read_text())
-    s = report["summary"]
+    run = report["levels"][0]["contenders"]["speculative"]
+    s = run["summary"]
     assert (s["requests"], s["ok"], s["errors"], s["tokens"]) == (4, 4, 0, 64) and s["tokens_per_s"] > 0
-    for sample in report["samples"]:
+    for sample in run["samples"]:
         assert sample["ok"] and sample["tokens"] == 16
         assert 0 < sample["ttft_s"] <= sample["latency_s"] and sample["itl_s"] > 0
     assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"] <= s["latency_ms"]["p99"]
@@ -213,7 +215,8 @@ def test_a_prompt_is_never_taken_for_the_bench(capsys):
     a = parser.parse_args(["client", "generate", "bench", "--max-tokens", "3"])
     assert a.func is cmd_generate and a.prompt == "bench"
     a = parser.parse_args(["client", "bench", "--concurrency", "2"])
-    assert a.func is cmd_bench and a.concurrency == 2
+    assert a.func is cmd_bench and a.concurrency == [2] and a.contenders == ["speculative", "incremental"]
+    assert parser.parse_args(["client", "bench", "--concurrency", "1,4,16,4"]).concurrency == [1, 4, 16]
     for argv, says in ((["client", "generate", "hi", "--concurrency", "2"], "unrecognized arguments: --concurrency"),
                        (["client", "bench", "hi"], "unrecognized arguments: hi"), (["client", "hi"], "invalid choice")):
         with pytest.raises(SystemExit):

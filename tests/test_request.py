@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import VOCAB, make_tokenizer
-from specinfer import triton_glue as glue
 from specinfer.errors import RequestError, SpecInferError
-from specinfer.request import MAX_SEED, longest_token_bytes, read_request, sampling_from
+from specinfer.serving import triton_glue as glue
+from specinfer.serving.request import MAX_SEED, longest_token_bytes, read_request, sampling_from
 from specinfer.text import load_tokenizer
 
 CONTEXT = 256

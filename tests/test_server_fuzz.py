@@ -174,7 +174,7 @@ def test_generated_grpc_requests_get_a_result_or_invalid_argument(triton_server)
 
 def test_the_strategies_cover_every_request_field():
     """Every input of the client-facing models is generated (a new input must be added here)."""
-    from specinfer.repo import templates_dir
+    from specinfer.serving.repository import templates_dir
     config = (templates_dir() / "orchestrator" / "config.pbtxt.in").read_text()
     inputs = {line.split('"')[1] for line in config.splitlines() if line.strip().startswith("{ name:")} - {
         "text_output", "output_ids", "accepted_tokens_per_step", "total_draft_tokens", "total_accepted_draft_tokens"}

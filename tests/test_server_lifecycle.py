@@ -224,7 +224,7 @@ def shm_files(prefix: str) -> list[str]:
 def two_serves(served_pair, tmp_path_factory):
     """Two `specinfer serve` started at the same moment: one on the embedded models (a temporary
     repository of its own), one on a repository of `served_pair`."""
-    from specinfer.repo import write_repository
+    from specinfer.serving.repository import write_repository
     tmp = tmp_path_factory.mktemp("serves")
     repo = write_repository(served_pair["llm"], served_pair["ssms"], tmp / "repo", tree="1,1,3,1,1,1")
     serves = [Serve(tmp, "embedded"), Serve(tmp, "given", str(repo))]
@@ -276,7 +276,7 @@ def test_a_dead_tritonserver_ends_serve_with_one_clear_line(two_serves):
 # -- without a server ---------------------------------------------------------------------------------
 
 def test_tritonserver_command_line(tmp_path, monkeypatch):
-    from specinfer.server import Installation, TritonServer
+    from specinfer.serving.server import Installation, TritonServer
     monkeypatch.delenv("SPECINFER_ADMIN_KEY", raising=False)
     install = Installation(Path("/bin/tritonserver"), Path("/backends"))
     server = TritonServer(tmp_path, 9000, 9001, 9002, host="0.0.0.0", admin_key="k", grace_period=2.5)
@@ -301,7 +301,7 @@ def test_the_backend_folder_is_made_once_when_servers_start_together(tmp_path, m
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    from specinfer.server import find_tritonserver
+    from specinfer.serving.server import find_tritonserver
     if shutil.which("tritonserver") or importlib.util.find_spec("pytriton") is None:
         pytest.skip("needs the tritonserver bundled in nvidia-pytriton")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"

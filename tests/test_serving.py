@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import TINY_VOCAB, chi_square_p
-from specinfer import serving
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import SpecInferError
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
-from specinfer.request import read_request
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
                                tensors_to_tree, tree_to_tensors)
+from specinfer.serving import models as serving_models
+from specinfer.serving.request import read_request
 from specinfer.text import TextStream, decode_piece, load_tokenizer
 from specinfer.tree import Proposal, TokenTree
 from specinfer.tree_sizing import acceptance, step_cost
@@ -274,13 +274,13 @@ def test_served_sampling_keeps_the_llm_distribution(tiny_vocab, params, budget, 
 
 def test_a_wrong_q_on_the_wire_fails_the_same_test(tiny_vocab, monkeypatch):
     """The same test with every draft's q sent as uniform (not what the SSM drew from) fails."""
-    right = serving.tree_to_tensors
+    right = serving_models.tree_to_tensors
 
     def uniform_q(tree, vocab_size):
         t = right(tree, vocab_size)
         return t | {"proposal_q": np.full_like(t["proposal_q"], 1.0 / vocab_size)}
 
-    monkeypatch.setattr(serving, "tree_to_tensors", uniform_q)
+    monkeypatch.setattr(serving_models, "tree_to_tensors", uniform_q)
     params = SamplingParams(temperature=1.0)
     counts = served_first_two(tiny_vocab, params, 64)
     assert chi_square_p(counts, transformers_first_two(tiny_vocab[1][0], [3, 1, 4], params)) < 1e-6
@@ -332,7 +332,7 @@ def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(mo
     """MeteredSpeculator: step time and accepted tokens every step; the gauges (sequences, KV) only
     on start and release, the only times they change, not on every streamed piece."""
     from specinfer.generate import LocalSpeculator
-    from specinfer.triton_glue import MeteredSpeculator
+    from specinfer.serving.triton_glue import MeteredSpeculator
     llm, ssms, _, _ = models
 
     class Recorded:
@@ -364,3 +364,41 @@ def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(mo
     assert len(metrics.accepted.values) == len(steps) == len(metrics.step_seconds.values)
     assert len(metrics.gauges) == 2 and metrics.gauges[0][0] == 1 and metrics.gauges[0][1] > 0
     assert metrics.gauges[1] == (0, 0)
+
+
+def test_a_verification_that_raises_leaves_the_sequence_usable(served_pair, monkeypatch):
+    """verify failing after the LLM scored the tree drops the tree's pending nodes: the sequence's
+    next step (here the same tree again) verifies as in a run that never failed."""
+    llm, ssm = OrtRuntime(served_pair["llm"]), OrtRuntime(served_pair["ssms"][0])
+    verify_model, draft_model = VerifyModel(llm), DraftModel(ssm, 0, "2,1,1")
+    params, prompt = SamplingParams(), [1, 5, 9, 13]
+
+    def run(seq_id, fail_at=None):
+        verify_model.start(seq_id, prompt[:-1], params)
+        draft_model.start(seq_id, prompt[:-1], params)
+        out, accepted, root = [], [], prompt[-1]
+        try:
+            for step in range(4):
+                tree = tensors_to_tree(draft_model.step(seq_id, accepted, root, params, 8))
+                if step == fail_at:
+                    real = serving_models.verify
+
+                    def broken(*args, **kwargs):
+                        monkeypatch.setattr(serving_models, "verify", real)   # once
+                        raise RuntimeError("verification failed")
+                    monkeypatch.setattr(serving_models, "verify", broken)
+                    with pytest.raises(RuntimeError, match="verification failed"):
+                        verify_model.step(seq_id, tree, params)
+                    assert llm._get(seq_id).pending == 0    # nothing left of the failed step's tree
+                accepted, bonus = verify_model.step(seq_id, tree, params)
+                out += accepted[1:] + [bonus]
+                root = bonus
+        finally:
+            verify_model.release(seq_id)
+            draft_model.release(seq_id)
+        return out
+
+    clean = run("clean")
+    assert len(clean) >= 4
+    assert run("faulty", fail_at=1) == clean
+    assert llm.sequences() == [] and ssm.sequences() == []

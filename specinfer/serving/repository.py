@@ -1,4 +1,5 @@
-"""`specinfer repo`: a ready Triton model repository from the templates in ``server_repo/``.
+"""`specinfer repo`: a ready Triton model repository from the templates in ``templates/`` (package data,
+so an installed wheel has them too).
 
 Every model folder's ``config.pbtxt`` is rendered from its ``config.pbtxt.in`` (``${name}``
 placeholders) and its ``1/model.py`` copied as it is. Models are exported (ONNX) before the server
@@ -13,12 +14,12 @@ import shutil
 from pathlib import Path
 from string import Template
 
-from .engines.loader import load_runtime, onnx_folder
-from .engines.onnxruntime import read_manifest
-from .errors import SpecInferError
-from .generate import DEFAULT_BUDGET
-from .speculate import DYNAMIC, parse_tree
-from .tree_sizing import StepCost
+from ..engines.loader import load_runtime, onnx_folder
+from ..engines.onnxruntime import read_manifest
+from ..errors import SpecInferError
+from ..generate import DEFAULT_BUDGET
+from ..speculate import DYNAMIC, parse_tree
+from ..tree_sizing import StepCost
 from .triton_glue import KEY_FILE
 
 TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
@@ -33,8 +34,8 @@ IDLE_TIMEOUT = 120.0   # seconds after which llm and ssm_<i> reclaim a sequence 
 
 
 def templates_dir() -> Path:
-    """``server_repo/`` beside the package (a source checkout or an editable install)."""
-    path = Path(os.environ.get("SPECINFER_TEMPLATES", Path(__file__).resolve().parent.parent / "server_repo"))
+    """The model folders' templates: ``templates/`` inside this installed package, or $SPECINFER_TEMPLATES."""
+    path = Path(os.environ.get("SPECINFER_TEMPLATES") or Path(__file__).resolve().parent / "templates")
     if not (path / "llm" / "config.pbtxt.in").is_file():
         raise SpecInferError(f"model repository templates not found in {path} (set SPECINFER_TEMPLATES)")
     return path

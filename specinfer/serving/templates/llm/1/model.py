@@ -10,9 +10,9 @@ import triton_python_backend_utils as pb  # noqa: E402
 
 import threading  # noqa: E402
 
-from specinfer import triton_glue as glue  # noqa: E402
 from specinfer.engines.loader import load_runtime  # noqa: E402
-from specinfer.serving import VerifyModel  # noqa: E402
+from specinfer.serving import triton_glue as glue  # noqa: E402
+from specinfer.serving.models import VerifyModel  # noqa: E402
 
 INPUTS = ["op", "sequence_id", "caller_key", "tokens", "tree_tokens", "tree_parents", "proposal_node", "proposal_ssm",
           "proposal_rank", "proposal_q_row", "proposal_q", "temperature", "top_k", "top_p", "random_seed", "rule"]

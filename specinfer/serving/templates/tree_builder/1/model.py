@@ -8,8 +8,8 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 
 import triton_python_backend_utils as pb  # noqa: E402
 
-from specinfer import triton_glue as glue  # noqa: E402
-from specinfer.serving import build_tree  # noqa: E402
+from specinfer.serving import triton_glue as glue  # noqa: E402
+from specinfer.serving.models import build_tree  # noqa: E402
 
 FIELDS = ["tree_tokens", "tree_parents", "proposal_node", "proposal_ssm", "proposal_rank", "proposal_q_row", "proposal_q"]
 

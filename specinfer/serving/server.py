@@ -5,7 +5,7 @@ The server is the ``tritonserver`` on PATH (NVIDIA's container), or the one bund
 Python beside ``libtriton_python.so``; the stub's embedded interpreter ignores PYTHONPATH, so our
 package folders travel in ``SPECINFER_PYTHONPATH`` (read by every ``model.py``).
 
-Clients reach HTTP through our gateway (``gateway.py``; Triton's own HTTP listens on a private
+Clients reach HTTP through our gateway (:mod:`.gateway`; Triton's own HTTP listens on a private
 127.0.0.1 port) and gRPC directly. Triton's administrative APIs need the admin key on both.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SpecInferError
+from ..errors import SpecInferError
 from .gateway import ADMIN_HEADER, DEFAULT_MAX_REQUEST_BYTES, Gateway
 
 # The API groups a deployment does not expose (Triton's names, the same for HTTP and gRPC).

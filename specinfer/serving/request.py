@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import RequestError, SpecInferError
-from .generate import check_request
-from .sampling import SamplingParams
-from .speculate import DYNAMIC, parse_tree
-from .verify import SAMPLING_RULES
+from ..errors import RequestError, SpecInferError
+from ..generate import check_request
+from ..sampling import SamplingParams
+from ..speculate import DYNAMIC, NONE, parse_tree
+from ..verify import SAMPLING_RULES
 
 Tensors = dict[str, np.ndarray]
 MAX_STOP_WORDS = 16
@@ -192,6 +192,8 @@ def tree_spec(inputs: Tensors) -> str:
         raise RequestError(str(e)) from None
     if widths is None:
         return DYNAMIC
+    if not widths:
+        return NONE
     if len(widths) > MAX_TREE_DEPTH or max(widths) > MAX_TREE_WIDTH:
         raise RequestError(f"'tree' may have at most {MAX_TREE_DEPTH} depths of widths in 1..{MAX_TREE_WIDTH}, "
                            f"got {len(widths)} depths, widest {max(widths)}")

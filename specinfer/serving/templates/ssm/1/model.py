@@ -12,9 +12,9 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 
 import triton_python_backend_utils as pb  # noqa: E402
 
-from specinfer import triton_glue as glue  # noqa: E402
 from specinfer.engines.loader import load_runtime  # noqa: E402
-from specinfer.serving import DraftModel, LookupModel  # noqa: E402
+from specinfer.serving import triton_glue as glue  # noqa: E402
+from specinfer.serving.models import DraftModel, LookupModel  # noqa: E402
 from specinfer.tree_sizing import StepCost  # noqa: E402
 
 INPUTS = ["op", "sequence_id", "caller_key", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed"]

@@ -1,42 +1,34 @@
-"""What each Triton model of ``server_repo/`` does, as plain Python over numpy arrays.
+"""What the per-request models of the Triton repository do, as plain Python over numpy arrays.
 
-The ``model.py`` files only move tensors between Triton and these classes, so everything here is
-tested without a server. Requests are read and checked in :mod:`specinfer.request`.
+The ``model.py`` files (``templates/``) only move tensors between Triton and these classes, so
+everything here is tested without a server. Requests are read and checked in
+:mod:`specinfer.serving.request`; the client-facing orchestrator is in
+:mod:`specinfer.serving.orchestrator`.
 
 Models and their state: ``ssm_<i>`` (:class:`DraftModel`) and ``llm`` (:class:`VerifyModel`) keep
 one KV sequence per request, keyed by the ``sequence_id`` the orchestrator makes, and ``lookup``
 (:class:`LookupModel`, drafting by lookup) each request's tokens; they answer only the orchestrator
-(its key) and reclaim sequences left idle. ``tree_builder`` (:func:`build_tree`) is stateless. The
-client-facing orchestrator (:class:`Orchestrator`, text in and out) runs
-:func:`specinfer.generate.decode` over a :class:`RemoteSpeculator` whose step is one call of the
-``spec_step`` ensemble, or over a ``LocalSpeculator`` (fused).
+(its key) and reclaim sequences left idle. ``tree_builder`` (:func:`build_tree`) is stateless.
 """
 from __future__ import annotations
 
 import hmac
-import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Hashable, Iterator
+from typing import Hashable
 
 import numpy as np
 
-from .engines.runtime import Runtime
-from .errors import RequestError, SpecInferError
-from .generate import DEFAULT_BUDGET, Stats, decode
-from .lookup import LookupDrafter
-from .request import (GenerationRequest, Tensors, as_text, read_request, sampling_from, scalar, tree_spec,
-                      verification_rule)
-from .sampling import SamplingParams
-from .speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
-from .text import TextStream, decode_piece
-from .tree import Proposal, TokenTree, merge
-from .tree_sizing import StepCost, TreeSizer, acceptance
-from .verify import verify
-
-log = logging.getLogger(__name__)
-
+from ..engines.runtime import Runtime
+from ..errors import RequestError, SpecInferError
+from ..generate import DEFAULT_BUDGET
+from ..lookup import LookupDrafter
+from ..sampling import SamplingParams
+from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
+from ..tree import Proposal, TokenTree, merge
+from ..tree_sizing import StepCost, TreeSizer, acceptance
+from ..verify import verify
+from .request import Tensors, as_text, sampling_from, scalar, tree_spec, verification_rule
 
 
 # --- trees as tensors ----------------------------------------------------------------------------
@@ -213,6 +205,7 @@ class DraftModel(_SequenceModel):
         if accepted:
             drafter.commit(accepted)
         drafter.sizer = self.sizer if widths is None else None
+        budget = budget if widths != [] else 1    # tree "none": incremental decoding
         # Without room for a tree, no draft: the next commit keeps the root as catch-up.
         start = time.perf_counter()
         draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget) if budget > 1 \
@@ -291,7 +284,13 @@ class VerifyModel(_SequenceModel):
     def step(self, seq_id, tree: TokenTree, params: SamplingParams, rule: str = "mss") -> tuple[list[int], int]:
         rng = self.sequences.get(seq_id)
         logits = self.runtime.score(seq_id, tree.tokens, tree.parents)
-        verdict = verify(tree, logits, params, rng, rule)
+        try:
+            verdict = verify(tree, logits, params, rng, rule)
+        except BaseException:
+            # score left the tree's nodes pending: drop them, or the sequence's next score would
+            # append to a stale tree (commit of no node keeps none).
+            self.runtime.commit(seq_id, [])
+            raise
         self.runtime.commit(seq_id, verdict.path)
         return [tree.tokens[i] for i in verdict.path], verdict.bonus
 
@@ -314,146 +313,3 @@ class VerifyModel(_SequenceModel):
         rng = self.sequences.pop(seq_id)
         self.runtime.release(seq_id)
         return rng is not None
-
-
-# --- the orchestrator --------------------------------------------------------------------------------
-class RemoteSpeculator:
-    """A Speculator whose models live elsewhere: ``call(model, inputs) -> outputs`` reaches them
-    (Triton BLS in the server; plain method calls in tests)."""
-
-    def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
-                 max_context: int, params: SamplingParams, tree: str | None, stats: Stats, key: str | None = None,
-                 rule: str = "mss"):
-        self.call, self.ssm_names, self.seq_id, self.key, self.rule = call, ssm_names, seq_id, key, rule
-        self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
-        self.started: list[str] = []
-        self.last_path: list[int] = []
-
-    def _common(self, op: str) -> Tensors:
-        t = {"op": np.array([op.encode()], dtype=object), "sequence_id": np.array([self.seq_id.encode()], dtype=object),
-             "temperature": np.array([self.params.temperature], dtype=np.float32),
-             "top_k": np.array([self.params.top_k], dtype=np.int32),
-             "top_p": np.array([self.params.top_p], dtype=np.float32)}
-        if self.params.seed is not None:
-            t["random_seed"] = np.array([self.params.seed], dtype=np.uint64)
-        if self.key is not None:
-            t[CALLER_KEY] = np.array([self.key.encode()], dtype=object)
-        return t
-
-    def start(self, prefix: list[int]) -> None:
-        inputs = self._common("start") | {"tokens": np.asarray(prefix, dtype=np.int64)}
-        for name in ["llm"] + self.ssm_names:
-            self.call(name, inputs)
-            self.started.append(name)
-
-    def step(self, root: int, budget: int) -> tuple[list[int], int]:
-        inputs = self._common("step") | {"tokens": np.asarray(self.last_path, dtype=np.int64),
-                                         "root": np.array([root], dtype=np.int64),
-                                         "budget": np.array([budget], dtype=np.int32)}
-        if self.tree:
-            inputs["tree"] = np.array([self.tree.encode()], dtype=object)
-        if self.rule != "mss":
-            inputs["rule"] = np.array([self.rule.encode()], dtype=object)
-        out = self.call("spec_step", inputs)
-        path = [int(t) for t in np.asarray(out["accepted_tokens"]).reshape(-1)]
-        self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])
-        self.stats.accepted_draft_tokens += len(path) - 1
-        self.last_path = path
-        return path, int(np.asarray(out["bonus"]).reshape(-1)[0])
-
-    def release(self) -> None:
-        inputs = self._common("release")
-        for name in self.started:
-            try:
-                self.call(name, inputs)
-            except Exception as e:  # noqa: BLE001 - release every model even if one fails; the model
-                # reclaims the sequence once idle, and the log says why it was left
-                log.warning("releasing sequence %s in %s failed: %s", self.seq_id, name, e)
-        self.started = []
-
-
-@dataclass
-class Piece:
-    """One response of the orchestrator: ids whose text is final, and the stats so far."""
-
-    context_ids: list[int]
-    output_ids: list[int]
-    stats: Stats
-    final: bool
-
-
-def stats_tensors(stats: Stats) -> Tensors:
-    return {
-        "accepted_tokens_per_step": np.array([",".join(map(str, stats.tokens_per_step)).encode()], dtype=object),
-        "total_draft_tokens": np.array([stats.draft_tokens], dtype=np.int32),
-        "total_accepted_draft_tokens": np.array([stats.accepted_draft_tokens], dtype=np.int32),
-    }
-
-
-def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list[int],
-                budget: int = DEFAULT_BUDGET, cancelled: Callable[[], bool] = lambda: False,
-                stats: Stats | None = None) -> Iterator[Piece]:
-    """Drive one request: stream pieces as their text becomes final (UTF-8 safe), stop at EOS,
-    ``end_id``, a stop word (the output ends with the token that completes it), ``max_tokens`` or a
-    cancellation; or, unstreamed, one final piece."""
-    stats = stats if stats is not None else Stats()
-    eos = [request.end_id] if request.end_id is not None else list(eos_ids)
-    stream, text = TextStream(tokenizer), ""
-    produced: list[int] = []
-    longest = max((len(w) for w in request.stop_words), default=0)
-    generation = decode(speculator, request.prompt, request.max_tokens, eos, budget, stats)
-    try:
-        for ids in generation:
-            context, ready, stop = None, [], False
-            for token in ids:  # token by token, so that a stop word ends the output where it ends
-                produced.append(token)
-                piece = stream.push([token])
-                if piece:
-                    context = stream.window[0] if context is None else context
-                    ready += stream.window[1]
-                    start = max(0, len(text) - longest + 1)
-                    text += piece
-                    if any(w in text[start:] for w in request.stop_words):
-                        stats.stop_reason, stop = "stop word", True
-                        break
-            if request.stream and ready:
-                yield Piece(context, ready, stats, final=False)
-            if stop:
-                break
-            if cancelled():
-                stats.stop_reason = "cancelled"
-                break
-    finally:
-        generation.close()  # releases every model's state, whatever ended the loop
-    if not request.stream:
-        ids = produced if request.exclude_input else request.prompt + produced
-        yield Piece([], ids, stats, final=True)
-        return
-    stream.flush()
-    yield Piece(*stream.window, stats, final=True)
-
-
-class Orchestrator:
-    """The client-facing model (``ensemble``, ``ensemble_fused``, ``ensemble_sync``): text in,
-    speculation loop, text out. Tokenizing and detokenizing in the same process as the loop is
-    what lets a client's cancel reach the loop (Triton does not pass a cancel on to a request that
-    an ensemble step already runs)."""
-
-    def __init__(self, tokenizer, max_context: int, eos_ids: list[int], vocab_size: int,
-                 make_speculator: Callable[[GenerationRequest, Stats], object], budget: int = DEFAULT_BUDGET):
-        self.tokenizer, self.max_context, self.eos_ids = tokenizer, max_context, list(eos_ids)
-        self.vocab_size, self.make_speculator, self.budget = vocab_size, make_speculator, budget
-
-    def run(self, inputs: Tensors, cancelled: Callable[[], bool] = lambda: False,
-            stats: Stats | None = None) -> Iterator[tuple[Tensors, bool]]:
-        """Yield (response tensors, final) pairs; the last one is final."""
-        request = read_request(inputs, self.max_context, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
-        stats = stats if stats is not None else Stats()
-        speculator = self.make_speculator(request, stats)
-        for piece in run_request(speculator, request, self.tokenizer, self.eos_ids, self.budget, cancelled, stats):
-            # The statistics are cumulative: sent once, with the final response (and empty before it,
-            # so that every response has every output).
-            stats_out = stats_tensors(piece.stats if piece.final else Stats())
-            text = decode_piece(self.tokenizer, piece.context_ids, piece.output_ids)
-            yield ({"text_output": np.array([text.encode()], dtype=object),
-                    "output_ids": np.asarray(piece.output_ids, dtype=np.int64)} | stats_out, piece.final)

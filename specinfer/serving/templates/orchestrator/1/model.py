@@ -19,12 +19,12 @@ import triton_python_backend_utils as pb  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
 
-from specinfer import triton_glue as glue  # noqa: E402
 from specinfer.engines.loader import load_runtime, onnx_folder  # noqa: E402
 from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
 from specinfer.errors import RequestError, ServerStopping  # noqa: E402
 from specinfer.generate import LocalSpeculator  # noqa: E402
-from specinfer.serving import Orchestrator, RemoteSpeculator  # noqa: E402
+from specinfer.serving import triton_glue as glue  # noqa: E402
+from specinfer.serving.orchestrator import Orchestrator, RemoteSpeculator  # noqa: E402
 from specinfer.speculate import parse_tree  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
 
@@ -73,6 +73,8 @@ class TritonPythonModel:
                                                        req.tree or tree, stats, key=key, rule=req.rule)
         self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, vocab, make,
                                          int(p["budget"]))
+        # Which specinfer this stub imported (SPECINFER_PYTHONPATH's first), for whoever reads the log.
+        pb.Logger.log_info(f"{self.name}: specinfer from {os.path.dirname(os.path.dirname(glue.__file__))}")
 
     def execute(self, requests):
         # Every request runs on a thread of its own and answers through its response sender, so that

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from .errors import SpecInferError
+from ..errors import SpecInferError
 
 ADMIN_HEADER = "specinfer-admin-key"
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20

@@ -1,4 +1,5 @@
-"""Between Triton's Python backend and :mod:`specinfer.serving`: tensors, errors, BLS, metrics.
+"""Between Triton's Python backend and the serving models (:mod:`.models`, :mod:`.orchestrator`):
+tensors, errors, BLS, metrics.
 
 Every function takes the backend's ``triton_python_backend_utils`` module as ``pb`` (it exists only
 inside Triton's stub process), so this module imports without Triton.
@@ -15,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import RequestError, ServerStopping, SpecInferError
+from ..errors import RequestError, ServerStopping, SpecInferError
 
 Tensors = dict[str, np.ndarray]
 
