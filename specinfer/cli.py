@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .client.cli import add_client_parser
 from .engines.loader import ENGINES
+from .scheduler import BATCH_TREE_TOKENS, parse_bytes
 from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
 from .errors import SpecInferError
 from .verify import SAMPLING_RULES
@@ -303,11 +304,28 @@ def cmd_boost_tune(a) -> None:
     print(f"wrote {a.output}")
 
 
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except SpecInferError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_batching(p, tree_tokens: int | None) -> None:
+    """The fused orchestrator's scheduler: its KV budget and its batch's tree budget."""
+    p.add_argument("--kv-budget", type=_bytes, default=None,
+                   help="KV cache memory the batched requests may hold, e.g. 2GiB (default: half the memory "
+                        "available when the server loads); a request that does not fit waits or is refused")
+    p.add_argument("--batch-tree-tokens", type=_positive_int, default=tree_tokens,
+                   help=f"tree nodes the trees of one batch share (a request alone: its whole --budget; "
+                        f"default {BATCH_TREE_TOKENS})")
+
+
 def cmd_repo(a) -> None:
     from .serving.repository import write_repository
 
     repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads,
-                            lookup=not a.no_lookup)
+                            lookup=not a.no_lookup, kv_budget=a.kv_budget, batch_tree_tokens=a.batch_tree_tokens)
     print(f"wrote {repo} (models: {', '.join(sorted(p.name for p in repo.iterdir() if p.is_dir()))})")
 
 
@@ -332,7 +350,11 @@ def cmd_serve(a) -> None:
         made = Path(tempfile.mkdtemp(prefix="specinfer-repo-"))
     try:
         if made is not None:
-            repo = write_repository(embedded_llm(), embedded_ssms(), made)
+            repo = write_repository(embedded_llm(), embedded_ssms(), made, kv_budget=a.kv_budget,
+                                    batch_tree_tokens=a.batch_tree_tokens or BATCH_TREE_TOKENS)
+        elif a.kv_budget is not None or a.batch_tree_tokens is not None:
+            raise SpecInferError("--kv-budget and --batch-tree-tokens belong to the repository: give them to "
+                                 "`specinfer repo` (or serve the embedded models)")
         server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file,
                               gateway=not a.no_gateway, max_request_bytes=a.max_request_bytes, admin_key=a.admin_key,
                               open_admin_api=a.open_admin_api, grace_period=a.grace_period)
@@ -469,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
     p.add_argument("--threads", type=int, default=0, help=THREADS_HELP + " (0: the shared pool)")
     _add_lookup(p)
+    _add_batching(p, BATCH_TREE_TOKENS)
     p.add_argument("-o", "--output", required=True, help="the repository folder to write")
     p.set_defaults(func=cmd_repo)
 
@@ -493,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds the models get to load")
     p.add_argument("--no-gateway", action="store_true", help="clients reach tritonserver's own HTTP port (which "
                                                              "a large form-urlencoded body crashes)")
+    _add_batching(p, None)
     p.set_defaults(func=cmd_serve)
 
     add_client_parser(sub, _HelpWithDefaults)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import RequestError, ServerStopping, SpecInferError
+from ..errors import RequestError, ServerBusy, ServerStopping, SpecInferError
 
 Tensors = dict[str, np.ndarray]
 
@@ -47,12 +47,13 @@ def response(pb, tensors: Tensors):
 
 def error(pb, exc: BaseException, model: str | None = None):
     """A request's failure as an error response; the server keeps serving. The client's mistake (a
-    RequestError) is INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT) with its message; anything else
-    is INTERNAL and logged: a SpecInferError keeps its one-line message, other exceptions say only
-    where they happened (``model``), their text and traceback go to the server log alone."""
+    RequestError) is INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT) with its message; a busy or
+    stopping server is UNAVAILABLE (a client may retry); anything else is INTERNAL and logged: a
+    SpecInferError keeps its one-line message, other exceptions say only where they happened
+    (``model``), their text and traceback go to the server log alone."""
     if isinstance(exc, RequestError):
         return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
-    if isinstance(exc, ServerStopping):
+    if isinstance(exc, (ServerStopping, ServerBusy)):
         return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.UNAVAILABLE))
     if isinstance(exc, SpecInferError):
         message = str(exc)

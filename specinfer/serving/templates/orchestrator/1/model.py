@@ -3,7 +3,8 @@ speculation step after another until a stop condition, streaming text as tokens 
 (decoupled) or answering once (not decoupled).
 
 mode "ensemble": each step is one BLS call of the spec_step ensemble (ssm_<i> -> tree_builder -> llm).
-mode "fused": draft, tree construction and verification run in this process (lowest latency).
+mode "fused": the models run in this process, every request's steps batched by one scheduler
+(specinfer/scheduler.py: one LLM call verifies the trees of all running requests; KV under a budget).
 Requests run on threads of their own, so one instance serves many sequences at once. A client's
 cancel, or the server stopping, ends a request's loop at its next step and frees its sequences.
 """
@@ -22,30 +23,14 @@ import uuid  # noqa: E402
 from specinfer.engines.loader import load_runtime, onnx_folder  # noqa: E402
 from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
 from specinfer.errors import RequestError, ServerStopping  # noqa: E402
-from specinfer.generate import LocalSpeculator  # noqa: E402
 from specinfer.serving import triton_glue as glue  # noqa: E402
+from specinfer.scheduler import Scheduler  # noqa: E402
 from specinfer.serving.orchestrator import Orchestrator, RemoteSpeculator  # noqa: E402
 from specinfer.speculate import parse_tree  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
 
 INPUTS = ["text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
           "stop_words", "exclude_input_in_output", "tree", "rule"]
-
-
-class FusedModels:
-    """The fused mode's LLM and SSMs, in this process; its sequences and KV for the metrics."""
-
-    def __init__(self, p):
-        threads = int(p["threads"]) or None
-        self.llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
-        self.ssms = [load_runtime(d, p["engine"], threads=threads) for d in p["ssm_dirs"].split(os.pathsep) if d]
-
-    @property
-    def sequences(self) -> list:
-        return self.llm.sequences()
-
-    def kv_bytes(self) -> int:
-        return sum(rt.kv_bytes(s) for rt in [self.llm] + self.ssms for s in rt.sequences())
 
 
 class TritonPythonModel:
@@ -55,13 +40,19 @@ class TritonPythonModel:
         self.decoupled = glue.is_decoupled(pb, args)
         tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
         lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
+        budget = int(p["budget"])
         if p["mode"] == "fused":
-            fused = FusedModels(p)
+            # The models in this process, every request's steps batched by one scheduler.
+            threads = int(p["threads"]) or None
+            llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
+            ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
+            scheduler = Scheduler(llm, ssms, kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
+                                  batch_tree_tokens=int(p["batch_tree_tokens"]))
             self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
-            max_context, eos_ids, vocab = fused.llm.max_context, list(fused.llm.config.eos_token_ids), fused.llm.vocab_size
+            max_context, eos_ids, vocab = llm.max_context, list(llm.config.eos_token_ids), llm.vocab_size
             make = lambda req, stats: glue.MeteredSpeculator(
-                LocalSpeculator(fused.llm, fused.ssms, parse_tree(req.tree or tree), req.params, stats,
-                                seq_id=uuid.uuid4().hex, lookup=lookup, rule=req.rule), self.metrics, fused)
+                scheduler.speculator(req.max_tokens, req.params, parse_tree(req.tree or tree), rule=req.rule,
+                                     lookup=lookup, stats=stats, budget=budget), self.metrics, scheduler)
         else:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
             max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
@@ -71,8 +62,7 @@ class TritonPythonModel:
             key = glue.caller_key(args)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
                                                        req.tree or tree, stats, key=key, rule=req.rule)
-        self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, vocab, make,
-                                         int(p["budget"]))
+        self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, vocab, make, budget)
         # Which specinfer this stub imported (SPECINFER_PYTHONPATH's first), for whoever reads the log.
         pb.Logger.log_info(f"{self.name}: specinfer from {os.path.dirname(os.path.dirname(glue.__file__))}")
 
