@@ -62,10 +62,11 @@ def test_greedy_under_batching_is_each_request_alone(models, tree):
 
 
 def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
-    """With a seed, a sampled request gives what it gives alone (its own random stream), batched."""
+    """With a seed, a sampled request gives what it gives alone (its own random stream), batched,
+    as long as its trees are the same (a batch that shares out fewer nodes draws other trees)."""
     llm, ssms = models
     params = SamplingParams(temperature=0.8, seed=11)
-    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01)
+    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01, batch_tree_tokens=4 * 64)
     got = run_together(scheduler, PROMPTS[:4], 30, params, tree=[2, 1, 1])
     single = Scheduler(llm, ssms[:1])
     want = [run_together(single, [p], 30, params, tree=[2, 1, 1])[0] for p in PROMPTS[:4]]
@@ -75,7 +76,7 @@ def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
 def test_tree_budget_shrinks_as_the_batch_grows(models):
     llm, ssms = models
     seen = []
-    scheduler = Scheduler(llm, ssms[:1], batch_tree_tokens=8, gather_seconds=0.01)
+    scheduler = Scheduler(llm, ssms[:1], batch_tree_tokens=12, gather_seconds=0.01)
     original = scheduler.llm.score_batch
 
     def spy(calls):
@@ -86,8 +87,11 @@ def test_tree_budget_shrinks_as_the_batch_grows(models):
         run_together(scheduler, PROMPTS[:4], 20, tree=[4, 4])
     finally:
         del scheduler.llm.score_batch
-    steps = [sizes for sizes in seen if len(sizes) == 4 and max(sizes) <= 8]
-    assert steps and all(max(s) <= 2 for s in steps)      # 8 tree nodes shared by 4: 2 each
+    steps = [sizes for sizes in seen if len(sizes) == 4 and max(sizes) <= 8]   # not the prefills
+    assert steps and all(max(s) <= 3 for s in steps)      # 12 tree nodes shared by 4: 3 each
+    assert any(max(s) > 1 for s in steps)                 # and the SSM did draft into them
+    alone = [sizes for sizes in seen if len(sizes) == 1 and sizes[0] <= 8]
+    assert not alone or max(max(s) for s in alone) > 3    # a request alone keeps its whole tree
 
 
 def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monkeypatch):
@@ -202,3 +206,32 @@ def test_parse_bytes():
     for bad in ("lots", "-1G", "0", "3 parsecs"):
         with pytest.raises(SpecInferError):
             parse_bytes(bad)
+
+
+def test_sampling_under_batching_keeps_the_llm_distribution(tiny_vocab):
+    """Sampled requests batched together, their trees cut to what the batch shares out (so a
+    request's tree changes with the others running): the first two tokens are distributed as the
+    LLM's own (chi-square against the exact probabilities)."""
+    from conftest import chi_square_p
+    from test_speculative_generation import TRIALS, V, exact_first_two
+
+    (llm, a, b), _ = tiny_vocab
+    params = SamplingParams(temperature=1.0)
+    scheduler = Scheduler(llm, [a, b], batch_tree_tokens=24, gather_seconds=0.002)
+    counts = np.zeros((V, V))
+    lock = threading.Lock()
+
+    def worker(first):
+        for seed in range(first, TRIALS, 8):
+            spec = scheduler.speculator(2, SamplingParams(1.0, seed=seed), [3, 2])
+            out = [t for s in decode(spec, [3, 1, 4], 2, []) for t in s]
+            with lock:
+                counts[out[0], out[1]] += 1
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert counts.sum() == TRIALS and scheduler.mean_batch > 2
+    p = chi_square_p(counts, exact_first_two(llm, params))
+    assert p > 1e-3, f"first two tokens not distributed as the LLM's under batching (chi-square p = {p:.2e})"
