@@ -323,3 +323,32 @@ def test_the_backend_folder_is_made_once_when_servers_start_together(tmp_path, m
             assert [p.name for p in tmp.iterdir()] == [python.parent.name]   # no half-made folder left
     finally:
         sys.setswitchinterval(switch)
+
+
+def test_kv_budget_under_load_admits_what_fits_and_refuses_what_never_can(served_pair, tmp_path):
+    """ensemble_fused with room for two requests' KV: eight concurrent requests all finish, each
+    exactly as alone (the others waited for memory); one that could never fit gets a clear 400."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specinfer.engines.onnxruntime import OrtRuntime
+    from specinfer.serving.repository import write_repository
+
+    per_token = sum(OrtRuntime(d).kv_bytes_per_token for d in [served_pair["llm"], *served_pair["ssms"]])
+    need = (8 + 1 + 24 + 64) * per_token          # a prompt of up to 8 tokens, 24 new ones, one tree
+    repo = write_repository(served_pair["llm"], served_pair["ssms"], tmp_path / "repo", tree="1,1,3,1",
+                            kv_budget=2 * need + need // 2)
+    serve = Serve(tmp_path, "budget", str(repo))
+    try:
+        serve.wait_ready()
+        path = "/v2/models/ensemble_fused/generate"
+        prompts = [f"def f{i}(x):" for i in range(8)]
+        alone = [generate(serve, path, text_input=p, max_tokens=24) for p in prompts[:2]]
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda p: generate(serve, path, text_input=p, max_tokens=24), prompts))
+        assert all(status == 200 for status, _ in together), together
+        assert [json.loads(t)["text_output"] for _, t in together[:2]] == [json.loads(t)["text_output"] for _, t in alone]
+        status, text = generate(serve, path, text_input="def f(x):", max_tokens=200)
+        assert status == 400 and "KV budget" in error_of(text), text
+        assert_serving(serve)
+    finally:
+        serve.close()
