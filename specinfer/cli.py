@@ -198,9 +198,13 @@ def cmd_steptime(a) -> None:
     trees = [int(t) for t in a.trees.split(",")]
     if max(contexts) + max(trees) > rt.max_context:
         raise SpecInferError(f"context {max(contexts)} + tree {max(trees)} exceeds the export's max context {rt.max_context}")
-    rows = step_times(rt, contexts, trees, repeats=a.repeats)
-    print(markdown_table(["context", "tree tokens", "median ms", "p90 ms"],
-                         [[r["context"], r["tree_tokens"], f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}"] for r in rows]))
+    sequences = [int(n) for n in a.sequences.split(",")]
+    rows = step_times(rt, contexts, trees, repeats=a.repeats, sequences=sequences)
+    one_by_one = lambda r: (f"{r['one_by_one_ms']:.2f} ({r['one_by_one_ms'] / r['median_ms']:.2f}x)"
+                            if "one_by_one_ms" in r else "")
+    print(markdown_table(["sequences", "context", "tree tokens each", "median ms", "p90 ms", "one by one ms"],
+                         [[r["sequences"], r["context"], r["tree_tokens"], f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}",
+                           one_by_one(r)] for r in rows]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -458,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="128,1024", help="cached tokens to time over, comma-separated")
     p.add_argument("--trees", default="1,16,64", help="tree sizes to time, comma-separated")
     p.add_argument("--repeats", type=_positive_int, default=20, help="timed calls per size")
+    p.add_argument("--sequences", default="1", help="sequences verified together (one call), comma-separated, "
+                                                   "e.g. 1,4,16: each also timed one by one")
     p.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="the runtime to time")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--json", help="also write the rows as JSON here")

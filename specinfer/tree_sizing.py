@@ -39,8 +39,10 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)     # tree tokens measured; larger trees
 
 
 def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[int],
-               repeats: int = 20, warm_up: int = 3, seed: int = 0) -> list[dict]:
-    """Median wall time of one ``score`` call of a T-node tree over a cache of C tokens.
+               repeats: int = 20, warm_up: int = 3, seed: int = 0, sequences: Sequence[int] = (1,)) -> list[dict]:
+    """Median wall time of one verification call: T-node trees of ``n`` sequences (one
+    :meth:`Runtime.score_batch` call; for n > 1 also ``one_by_one_ms``, n ``score`` calls), each
+    sequence over a cache of C tokens.
 
     The tree is a balanced binary tree (node i's parent is (i - 1) // 2), a shape between a chain
     and a star; the step is discarded after timing (commit of an empty path), so the cache stays C.
@@ -49,25 +51,39 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
     """
     rng = np.random.default_rng(seed)
     results = []
-    for context in contexts:
-        seq = runtime.start()
-        samples: dict[int, list[float]] = {t: [] for t in tree_sizes}
-        try:
-            runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
-            for round_ in range(warm_up + repeats):
-                for t in tree_sizes:
-                    tokens = rng.integers(0, runtime.vocab_size, t)
-                    parents = [(i - 1) // 2 if i else -1 for i in range(t)]
-                    start = time.perf_counter()
-                    runtime.score(seq, tokens, parents)
-                    if round_ >= warm_up:
-                        samples[t].append(time.perf_counter() - start)
-                    runtime.commit(seq, [])
-        finally:
-            runtime.release(seq)
-        results += [{"context": context, "tree_tokens": t,
-                     "median_ms": 1e3 * float(np.median(samples[t])),
-                     "p90_ms": 1e3 * float(np.percentile(samples[t], 90))} for t in tree_sizes]
+    for n in sequences:
+        for context in contexts:
+            seqs = [runtime.start() for _ in range(n)]
+            batched: dict[int, list[float]] = {t: [] for t in tree_sizes}
+            single: dict[int, list[float]] = {t: [] for t in tree_sizes}
+            try:
+                for seq in seqs:
+                    runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
+                for round_ in range(warm_up + repeats):
+                    for t in tree_sizes:
+                        parents = [(i - 1) // 2 if i else -1 for i in range(t)]
+                        calls = [(seq, rng.integers(0, runtime.vocab_size, t), parents) for seq in seqs]
+                        for together in ([True, False] if n > 1 else [True]):
+                            start = time.perf_counter()
+                            if together:
+                                runtime.score_batch(calls)
+                            else:
+                                for call in calls:
+                                    runtime.score(*call)
+                            if round_ >= warm_up:
+                                (batched if together else single)[t].append(time.perf_counter() - start)
+                            for seq in seqs:
+                                runtime.commit(seq, [])
+            finally:
+                for seq in seqs:
+                    runtime.release(seq)
+            for t in tree_sizes:
+                row = {"sequences": n, "context": context, "tree_tokens": t,
+                       "median_ms": 1e3 * float(np.median(batched[t])),
+                       "p90_ms": 1e3 * float(np.percentile(batched[t], 90))}
+                if n > 1:
+                    row["one_by_one_ms"] = 1e3 * float(np.median(single[t]))
+                results.append(row)
     return results
 
 

@@ -1,5 +1,4 @@
 """Drafting by lookup: what it proposes, how many of its tokens it keeps, what it learns."""
-import numpy as np
 import pytest
 
 from specinfer.lookup import MATCH_PROBABILITY, LookupDrafter

@@ -196,7 +196,7 @@ def test_invalid_utf8_and_unknown_model(triton_server, expected):
 
 def test_a_long_unary_request_does_not_hold_up_a_short_one(triton_server, expected):
     """ensemble_sync (unary infer) answers each request from a thread of its own."""
-    done, long_started = [], threading.Event()
+    done = []
 
     def long_request():
         status, _ = post(triton_server, "/v2/models/ensemble_sync/generate", {"text_input": PROMPTS[5], "max_tokens": 200})

@@ -11,7 +11,6 @@ from specinfer import verify as verify_module
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.engines.torch_runtime import TorchRuntime
 from specinfer.errors import SpecInferError
-from specinfer.export import export_model
 from specinfer.generate import Stats, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.speculate import parse_tree

@@ -75,6 +75,9 @@ def test_step_times_rows(exported):
     assert [(r["context"], r["tree_tokens"]) for r in rows] == [(8, 1), (8, 5), (32, 1), (32, 5)]
     assert all(0 < r["median_ms"] <= r["p90_ms"] for r in rows)
     assert rt.sequences() == []
+    batched = step_times(rt, contexts=[8], tree_sizes=[3], repeats=2, warm_up=1, sequences=[1, 3])
+    assert [(r["sequences"], "one_by_one_ms" in r) for r in batched] == [(1, False), (3, True)]
+    assert batched[1]["one_by_one_ms"] > 0 and rt.sequences() == []
 
 
 def test_drafting_more_pays_when_the_nodes_are_likely_and_cheap():

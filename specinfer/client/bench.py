@@ -36,21 +36,20 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import socket
 import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .client import DEFAULT_MODEL
-from .grpc import AsyncGrpcTransport, _error
-from .http import AsyncHttpTransport, _path
-from .messages import ClientError, read_outputs, request_body, split_url
+from .grpc import AsyncGrpcTransport
+from .http import AsyncHttpTransport
+from .messages import ClientError, request_body, split_url
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
@@ -129,87 +128,8 @@ def check_loopback(host: str) -> None:
                           "(--allow-remote, or allow_remote=True, to override)")
 
 
-# --- transports that keep output_ids ------------------------------------------------------------------
-# The client's Result carries text and statistics, not ids; the bench needs every piece's ids to
-# count its tokens and to compare outputs, so its transports add them to what read_outputs reads.
-def _ids(value) -> list[int] | None:
-    """``output_ids`` as Triton sends it: a JSON list, a JSON number (a one-element tensor) or an array."""
-    if value is None:
-        return None
-    return [int(v) for v in np.asarray(value).reshape(-1)]
-
-
-def _with_ids(get: Callable[[str], object]) -> dict:
-    out = read_outputs(get)
-    ids = _ids(get("output_ids"))
-    if ids is not None:
-        out["output_ids"] = ids
-    return out
-
-
-def _parse(payload: str) -> dict:
-    try:
-        message = json.loads(payload)
-    except json.JSONDecodeError:
-        raise ClientError(f"the server answered something that is not JSON: {payload[:200]!r}") from None
-    if "error" in message:
-        raise ClientError(message["error"])
-    return _with_ids(message.get)
-
-
-class _HttpTransport(AsyncHttpTransport):
-    async def responses(self, model: str, body: dict) -> AsyncIterator[dict]:
-        import aiohttp
-
-        if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
-        try:
-            async with self.session.post(f"http://{self.address}{_path(model, body['stream'])}", json=body) as r:
-                if r.content_type == "text/event-stream":
-                    async for line in r.content:
-                        line = line.decode("utf-8").strip()
-                        if line.startswith("data:"):
-                            yield _parse(line[len("data:"):].strip())
-                else:
-                    yield _parse(await r.text())
-        except aiohttp.ClientConnectorError as e:
-            raise ClientError(f"cannot reach the server at {self.address} over HTTP: {e.os_error}") from None
-        except aiohttp.ClientError as e:
-            raise ClientError(f"HTTP to {self.address} failed: {e}") from None
-        except TimeoutError:
-            raise ClientError(f"no answer from {self.address} within {self.timeout} s") from None
-
-
-class _GrpcTransport(AsyncGrpcTransport):
-    async def responses(self, model: str, body: dict) -> AsyncIterator[dict]:
-        import grpc
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
-        from .messages import infer_inputs
-
-        async def one_request():
-            yield {"model_name": model, "inputs": infer_inputs(grpcclient.InferInput, body)}
-
-        call = self.client.stream_infer(one_request(), stream_timeout=self.timeout)
-        try:
-            async for result, error in call:
-                if error is not None:
-                    raise _error(error, self.url)
-                params = result.get_response().parameters
-                outputs = _with_ids(result.as_numpy)
-                if outputs:
-                    yield outputs
-                if "triton_final_response" in params and params["triton_final_response"].bool_param:
-                    break
-        except (InferenceServerException, grpc.RpcError) as e:
-            raise _error(e, self.url) from None
-        finally:
-            call.cancel()
-
-
 def _transport(host: str, port: int, protocol: str, timeout: float):
-    return (_HttpTransport if protocol == "http" else _GrpcTransport)(host, port, timeout)
+    return (AsyncHttpTransport if protocol == "http" else AsyncGrpcTransport)(host, port, timeout)
 
 
 # --- one run ------------------------------------------------------------------------------------------

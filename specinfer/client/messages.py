@@ -19,7 +19,7 @@ INPUT_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "
                "stop_words": "BYTES", "exclude_input_in_output": "BOOL", "tree": "BYTES",
                "rule": "BYTES"}
 NUMPY_TYPES = {"BYTES": object, "INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32, "UINT64": np.uint64}
-OUTPUTS = ("text_output", "accepted_tokens_per_step", "total_draft_tokens", "total_accepted_draft_tokens")
+OUTPUTS = ("text_output", "output_ids", "accepted_tokens_per_step", "total_draft_tokens", "total_accepted_draft_tokens")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 
 
@@ -38,6 +38,7 @@ class Result:
     accepted_tokens_per_step: list[int] = field(default_factory=list)
     total_draft_tokens: int = 0
     total_accepted_draft_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)   # this response's token ids
 
     @property
     def tokens(self) -> int:
@@ -85,6 +86,9 @@ def read_outputs(get: Callable[[str], object]) -> dict:
         value = get(name)
         if value is None:
             continue
+        if name == "output_ids":   # a JSON list, a JSON number (one token) or an array
+            out[name] = [int(v) for v in np.asarray(value).reshape(-1)]
+            continue
         if isinstance(value, np.ndarray):
             value = value.reshape(-1)[0] if value.size else None
         if isinstance(value, (bytes, np.bytes_)):
@@ -99,7 +103,8 @@ def read_outputs(get: Callable[[str], object]) -> dict:
 
 def to_result(outputs: dict) -> Result:
     return Result(outputs.get("text_output", ""), outputs.get("accepted_tokens_per_step", []),
-                  outputs.get("total_draft_tokens", 0), outputs.get("total_accepted_draft_tokens", 0))
+                  outputs.get("total_draft_tokens", 0), outputs.get("total_accepted_draft_tokens", 0),
+                  outputs.get("output_ids", []))
 
 
 def split_url(url: str | None, protocol: str) -> tuple[str, int]:
