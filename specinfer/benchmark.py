@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ class BenchConfig:
                                           # (None: each tree's default, see speculate.default_min_confidence)
     lookup: bool = True             # the dynamic tree also drafts by lookup (lookup.py); a lookup-only row too
     progress: bool = True
+    streams: tuple[int, ...] = ()   # greedy: also through the scheduler, with this many requests at once
 
 
 def _row(contender: str, tool: str, tree: str, ssms: str, stats: "Stats | None" = None, **extra) -> dict:
@@ -73,6 +75,47 @@ def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequenc
                                                    stats=stats, rule=rule, min_confidence=min_confidence,
                                                    lookup=lookup)
                             for t in step])
+    return stats, outputs
+
+
+def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, streams: int,
+               lookup: bool) -> tuple["Stats", list[list[int]]]:
+    """Every prompt through one :class:`~specinfer.scheduler.Scheduler`, ``streams`` requests at a
+    time (each on a thread of its own, batched): the in-process serving engine. The stats' time is
+    the run's wall time; their SSM and LLM seconds are the scheduler's drafting and verification."""
+    import threading
+
+    from .generate import Stats, decode
+    from .scheduler import Scheduler
+
+    scheduler = Scheduler(llm, ssms)
+    per_request = [Stats() for _ in cfg.prompts]
+    outputs: list = [None] * len(cfg.prompts)
+    pending = iter(range(len(cfg.prompts)))
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                i = next(pending, None)
+            if i is None:
+                return
+            spec = scheduler.speculator(cfg.max_new_tokens, tree=tree, lookup=lookup, stats=per_request[i])
+            outputs[i] = [t for step in decode(spec, cfg.prompts[i], cfg.max_new_tokens, llm.config.eos_token_ids,
+                                               stats=per_request[i]) for t in step]
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    scheduler.close()
+    stats = Stats(prompt_tokens=sum(r.prompt_tokens for r in per_request), new_tokens=sum(r.new_tokens for r in per_request),
+                  tokens_per_step=[k for r in per_request for k in r.tokens_per_step],
+                  draft_tokens=sum(r.draft_tokens for r in per_request),
+                  accepted_draft_tokens=sum(r.accepted_draft_tokens for r in per_request),
+                  ssm_seconds=scheduler.seconds["draft"], llm_seconds=scheduler.seconds["llm"],
+                  total_seconds=time.perf_counter() - started)
     return stats, outputs
 
 
@@ -120,6 +163,22 @@ def run_bench(cfg: BenchConfig) -> dict:
                     raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
                 rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule, lookup=lookup,
                                  temperature=params.temperature, identical=None if cfg.sampling else same))
+        if not cfg.sampling and cfg.streams:
+            # The serving engine: requests at once, batched (scheduler.py); one stream is what its
+            # hand-offs cost a request alone.
+            tree_name, tree = next(iter(cfg.trees.items()))
+            lookup = cfg.lookup and tree is None
+            for n in cfg.streams:
+                for name, drafts in ((f"ours incremental, {n} streams (scheduler)", []),
+                                     (f"ours {tree_name} SSM 1{' + lookup' if lookup else ''}, {n} streams (scheduler)",
+                                      ssms[:1])):
+                    stats, outputs = _scheduled(cfg, llm, drafts, [] if not drafts else tree, n, lookup and bool(drafts))
+                    same = sum(o == r for o, r in zip(outputs, reference))
+                    if same != len(reference):
+                        raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
+                    rows.append(_row(name, "specinfer", tree_name if drafts else "-", str(len(drafts)) if drafts else "-",
+                                     stats, rule="mss", lookup=lookup and bool(drafts), temperature=0.0,
+                                     identical=same, streams=n))
         for r in rows[base:]:
             r["speedup"] = r["tokens_per_s"] / rows[base]["tokens_per_s"] if r.get("tokens_per_s") else None
 

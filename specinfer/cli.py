@@ -262,7 +262,8 @@ def cmd_bench(a) -> None:
     prompts = [tokenizer.encode(p).ids for p in load_prompts(a.prompts, a.num_prompts)]
     report = run_bench(BenchConfig(llm, ssms, prompts, trees, a.max_tokens, a.threads, peers=not a.no_peers,
                                    sampling=a.sampling, seed=a.seed, min_confidence=a.min_confidence,
-                                   lookup=not a.no_lookup))
+                                   lookup=not a.no_lookup,
+                                   streams=tuple(int(n) for n in a.streams.split(",")) if a.streams else ()))
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "bench-sampling" if a.sampling else "bench"
@@ -539,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
+    p.add_argument("--streams", default=None,
+                   help="greedy: also serve the prompts through the scheduler (the serving engine), this many "
+                        "requests at once, comma-separated, e.g. 1,16 (the first --tree, SSM 1; and incremental)")
     p.add_argument("--sampling", action="store_true",
                    help="sampling at temperatures 1 and 0.7: MSS, traversal and naive verification on each tree")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (prompt i uses seed + i)")

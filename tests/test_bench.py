@@ -25,12 +25,15 @@ def test_bench_greedy_report(tmp_path, pair):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):\n", "class A:\n    def g(self):\n", "import os\n"]))
     r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), "--ssm", str(pair[1]), "--prompts", str(prompts),
-              "--max-tokens", "12", "--tree", "1,1,1", "--tree", "2,1", "-o", str(tmp_path / "out"))
+              "--max-tokens", "12", "--tree", "1,1,1", "--tree", "2,1", "--streams", "1,2", "-o", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {row["contender"]: row for row in report["rows"]}
-    assert list(rows)[:5] == ["ours incremental", "ours 1,1,1 SSM 1", "ours 1,1,1 all 2 SSMs",
-                              "ours 2,1 SSM 1", "ours 2,1 all 2 SSMs"]
+    assert list(rows)[:9] == ["ours incremental", "ours 1,1,1 SSM 1", "ours 1,1,1 all 2 SSMs",
+                              "ours 2,1 SSM 1", "ours 2,1 all 2 SSMs",
+                              "ours incremental, 1 streams (scheduler)", "ours 1,1,1 SSM 1, 1 streams (scheduler)",
+                              "ours incremental, 2 streams (scheduler)", "ours 1,1,1 SSM 1, 2 streams (scheduler)"]
+    assert rows["ours 1,1,1 SSM 1, 2 streams (scheduler)"]["streams"] == 2
     for name, row in rows.items():
         if row["tool"] == "specinfer":
             assert row["identical"] == 3 and row["tokens_per_s"] > 0

@@ -85,13 +85,14 @@ def test_tree_budget_shrinks_as_the_batch_grows(models):
     scheduler.llm.score_batch = spy
     try:
         run_together(scheduler, PROMPTS[:4], 20, tree=[4, 4])
+        steps = [sizes for sizes in seen if len(sizes) == 4 and max(sizes) <= 8]   # not the prefills
+        assert steps and all(max(s) <= 3 for s in steps)      # 12 tree nodes shared by 4: 3 each
+        assert any(max(s) > 1 for s in steps)                 # and the SSM did draft into them
+        seen.clear()
+        run_together(scheduler, PROMPTS[:1], 20, tree=[4, 4])
+        assert max(max(s) for s in seen[1:]) > 3              # a request alone keeps its whole tree
     finally:
         del scheduler.llm.score_batch
-    steps = [sizes for sizes in seen if len(sizes) == 4 and max(sizes) <= 8]   # not the prefills
-    assert steps and all(max(s) <= 3 for s in steps)      # 12 tree nodes shared by 4: 3 each
-    assert any(max(s) > 1 for s in steps)                 # and the SSM did draft into them
-    alone = [sizes for sizes in seen if len(sizes) == 1 and sizes[0] <= 8]
-    assert not alone or max(max(s) for s in alone) > 3    # a request alone keeps its whole tree
 
 
 def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monkeypatch):
