@@ -130,7 +130,8 @@ class Scheduler:
 
     @property
     def sequences(self) -> list:
-        return list(self.running)
+        with self._lock:
+            return list(self.running)
 
     @property
     def mean_batch(self) -> float:
@@ -138,8 +139,8 @@ class Scheduler:
         return self.batched_sequences / self.batches if self.batches else 0.0
 
     def kv_bytes(self) -> int:
-        """Bytes the running sequences' KV buffers hold now (every model)."""
-        return sum(rt.kv_bytes(s) for rt in [self.llm] + self.ssms for s in rt.sequences())
+        """Bytes the sequences' KV buffers hold now (every model of this scheduler)."""
+        return sum(rt.kv_bytes() for rt in [self.llm] + self.ssms)
 
     def close(self) -> None:
         with self._lock:

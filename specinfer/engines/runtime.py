@@ -133,10 +133,14 @@ class Runtime(abc.ABC):
         seq = self._get(seq_id)
         return seq.limit or seq.capacity
 
-    def kv_bytes(self, seq_id: Hashable) -> int:
-        """Bytes of KV buffer the sequence holds now."""
-        kv = self._get(seq_id).kv
-        return int(kv.nbytes) if hasattr(kv, "nbytes") else int(kv.numel() * kv.element_size())
+    def kv_bytes(self, seq_id: Hashable | None = None) -> int:
+        """Bytes of KV buffer a sequence holds now; with no id, all of them (read under the lock, so
+        that a sequence released meanwhile neither counts twice nor fails the sum)."""
+        size = lambda kv: int(kv.nbytes) if hasattr(kv, "nbytes") else int(kv.numel() * kv.element_size())
+        if seq_id is not None:
+            return size(self._get(seq_id).kv)
+        with self._lock:
+            return sum(size(seq.kv) for seq in self._sequences.values())
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -162,7 +162,7 @@ class _SequenceModel:
         return sum(self.release(s) for s in self.sequences.idle(idle_seconds))
 
     def kv_bytes(self) -> int:
-        return sum(self.runtime.kv_bytes(s) for s in self.runtime.sequences())
+        return self.runtime.kv_bytes()
 
 
 class DraftModel(_SequenceModel):
