@@ -180,8 +180,7 @@ class OrtRuntime(Runtime):
         need = seq.length + m + c + d - 1
         if self._draft_onnx is None or not 1 <= depth <= d or need > seq.limit:
             return super().draft_chain(seq_id, tokens, depth)
-        if need > seq.capacity:
-            self._grow(seq, min(seq.limit, max(need, 2 * seq.capacity)))
+        self._grow(seq, need)
         self._check_pending_chain(seq_id)
         self._check_tokens(tokens)
         if "draft" not in seq.bindings:
@@ -214,9 +213,8 @@ class OrtRuntime(Runtime):
         if "score" not in seq.bindings:
             seq.bindings["score"] = self._bind_cache(self.session, seq, [names[2:] for names in self._kv_names])
         binding = seq.bindings["score"]
-        if start == 0 and len(tokens) > 1 and (positions != np.arange(len(tokens))).any():
-            # On an empty cache the kernel takes the call for a prompt and numbers it 0..T-1
-            # itself, ignoring position_ids: a tree there goes in as its first node, then the rest.
+        if _numbered_by_the_kernel(start, positions):
+            # A tree there goes in as its first node, then the rest.
             first = self._run(binding, 0, tokens[:1], positions[:1], visible[:1, :1])
             return np.concatenate([first, self._run(binding, 1, tokens[1:], positions[1:], visible)])
         return self._run(binding, start, tokens, positions, visible)
@@ -237,9 +235,9 @@ class OrtRuntime(Runtime):
 
     # --- many sequences in one run ---------------------------------------------------------------------
     def _forward_many(self, calls) -> list[np.ndarray]:
-        # On an empty cache the kernel ignores position_ids (see _forward): such a call runs alone.
-        alone = [i for i, (seq, tokens, positions, _) in enumerate(calls)
-                 if seq.length + seq.pending == 0 and len(tokens) > 1 and (positions != np.arange(len(tokens))).any()]
+        # Such a call (see _forward) runs alone.
+        alone = [i for i, (seq, _, positions, _) in enumerate(calls)
+                 if _numbered_by_the_kernel(seq.length + seq.pending, positions)]
         together = [i for i in range(len(calls)) if i not in alone]
         out: list = [None] * len(calls)
         for i in alone:
@@ -255,7 +253,7 @@ class OrtRuntime(Runtime):
         if len(calls) > BATCH_SIZES[-1]:
             return [out for i in range(0, len(calls), BATCH_SIZES[-1])
                     for out in self._run_batch(calls[i:i + BATCH_SIZES[-1]])]
-        size = next(b for b in BATCH_SIZES if b >= len(calls))
+        n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
         if self._scratch is None:
             self._scratch = SequenceState(self._allocate(1), 1, 1)
         spare = (self._scratch, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool))
@@ -273,7 +271,7 @@ class OrtRuntime(Runtime):
         logits = np.empty((1, sum(sizes), self.config.vocab_size), dtype=np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         session.run_with_iobinding(binding)
-        return np.split(logits[0], np.cumsum(sizes)[:-1])[:len(calls) - sum(c[0] is self._scratch for c in calls)]
+        return np.split(logits[0], np.cumsum(sizes)[:-1])[:n]
 
     def _bind_batch(self, session, seqs: list[SequenceState]):
         """The batched session's binding with each sequence's cache as its slot's past and present.
@@ -298,6 +296,7 @@ class OrtRuntime(Runtime):
     def _batch_session(self, size: int):
         if size not in self._batched:
             import onnx
+            import onnxruntime as ort
 
             from ..export.ort_lowering import batch_sequences
 
@@ -305,8 +304,6 @@ class OrtRuntime(Runtime):
             options = session_options(self.threads)
             # The rewritten graph goes in as bytes: its weights stay in the export's weights file.
             options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.dir))
-            import onnxruntime as ort
-
             self._batched[size] = ort.InferenceSession(batch_sequences(lowered, size).SerializeToString(), options,
                                                        providers=["CPUExecutionProvider"])
         return self._batched[size]
@@ -315,6 +312,14 @@ class OrtRuntime(Runtime):
 # Batch sizes with a session of their own (a batch runs on the smallest that holds it; a larger
 # one in chunks of the largest): each costs a prepacked copy of the weights once used.
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _numbered_by_the_kernel(start: int, positions: np.ndarray) -> bool:
+    """Whether a call of several tokens on an empty cache is one GroupQueryAttention would number
+    0..T-1 itself (it takes it for a prompt and ignores position_ids), wrongly for a tree."""
+    return start == 0 and len(positions) > 1 and bool((positions != np.arange(len(positions))).any())
+
+
 def _attention_feeds(start: int, t: int, visible: np.ndarray) -> dict[str, np.ndarray]:
     """One sequence's attention inputs for ``t`` new tokens written from slot ``start``: the
     prefix's columns are visible to every new token, the tree's follow the ancestor bits."""

@@ -53,7 +53,7 @@ class SequenceState:
 
     kv: Any                     # [L, 2, capacity, Hkv, D], numpy array or torch tensor
     capacity: int               # slots allocated now
-    limit: int = 0              # slots it may grow to (its start's ``capacity``)
+    limit: int                  # slots it may grow to (its start's ``capacity``)
     length: int = 0             # committed tokens
     parents: list[int] = field(default_factory=list)   # pending nodes' parents (-1 = the prefix)
     depths: list[int] = field(default_factory=list)
@@ -130,8 +130,7 @@ class Runtime(abc.ABC):
 
     def capacity(self, seq_id: Hashable) -> int:
         """Tokens the sequence may hold (its KV buffer grows to it as needed)."""
-        seq = self._get(seq_id)
-        return seq.limit or seq.capacity
+        return self._get(seq_id).limit
 
     def kv_bytes(self, seq_id: Hashable | None = None) -> int:
         """Bytes of KV buffer a sequence holds now; with no id, all of them (read under the lock, so
@@ -187,12 +186,10 @@ class Runtime(abc.ABC):
         for i, p in enumerate(parents):
             if not -1 <= p < m + i:
                 raise SpecInferError(f"node {m + i} has parent {p}: parents must be -1 or an earlier node")
-        need = seq.length + m + t
-        if need > (seq.limit or seq.capacity):
-            raise SpecInferError(f"context capacity {seq.limit or seq.capacity} reached: {seq.length} committed, "
+        if seq.length + m + t > seq.limit:
+            raise SpecInferError(f"context capacity {seq.limit} reached: {seq.length} committed, "
                                  f"{m} pending and {t} new tokens do not fit")
-        if need > seq.capacity:
-            self._grow(seq, min(seq.limit, max(need, 2 * seq.capacity)))
+        self._grow(seq, seq.length + m + t)
         # Only the tree built since the last commit enters the mask; its first node sits at slot
         # `length`, so the mask covers N = m + t tree tokens and the prefix is implicit.
         visible = ancestor_matrix(seq.parents + parents)
@@ -206,8 +203,12 @@ class Runtime(abc.ABC):
         """:meth:`_forward` for several sequences; an engine that batches them overrides this."""
         return [self._forward(*call) for call in calls]
 
-    def _grow(self, seq: SequenceState, slots: int) -> None:
-        """Move a sequence's KV into a bigger buffer (its committed and pending slots are copied)."""
+    def _grow(self, seq: SequenceState, need: int) -> None:
+        """Make room for ``need`` slots (at most the sequence's limit): if the buffer is smaller, move
+        the KV into one at least twice as large (its committed and pending slots are copied)."""
+        if need <= seq.capacity:
+            return
+        slots = min(seq.limit, max(need, 2 * seq.capacity))
         kv = self._allocate(slots)
         used = (slice(None),) * self.slot_axis + (slice(0, seq.length + seq.pending),)
         kv[used] = seq.kv[used]
