@@ -43,6 +43,23 @@ def test_prefill_then_incremental_steps(runtime, reference):
     assert runtime.length(seq) == len(ids)
 
 
+def test_logits_a_caller_holds_stay_its_own(runtime, reference):
+    """An engine may reuse its output buffers between runs (the ONNX Runtime one does, for steps of
+    a few tokens): what score returned must not change when the sequence or another steps on."""
+    s1, s2 = runtime.start(), runtime.start()
+    runtime.prefill(s1, PROMPT)
+    runtime.prefill(s2, PROMPT[:4])
+    held = []
+    for token in (5, 6, 7):
+        held.append((token, runtime.score(s1, [token])[0], runtime.score_batch([(s1, [token + 1], [0]), (s2, [token], None)])))
+        runtime.commit(s1, [])
+        runtime.commit(s2, [0])
+    for i, (token, alone, (tree, other)) in enumerate(held):
+        assert np.abs(alone - reference(PROMPT + [token])).max() < TOL
+        assert np.abs(tree[0] - reference(PROMPT + [token, token + 1])).max() < TOL
+        assert np.abs(other[0] - reference(PROMPT[:4] + [5, 6, 7][:i + 1])).max() < TOL
+
+
 def test_tree_grown_over_calls_then_commit(runtime, reference):
     seq = runtime.start()
     runtime.prefill(seq, PROMPT)

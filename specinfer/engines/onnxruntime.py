@@ -211,7 +211,7 @@ class OrtRuntime(Runtime):
     def _forward(self, seq: SequenceState, tokens, positions, visible) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
         if "score" not in seq.bindings:
-            seq.bindings["score"] = self._bind_cache(self.session, seq, [names[2:] for names in self._kv_names])
+            seq.bindings["score"] = _Binding(self._bind_cache(self.session, seq, [names[2:] for names in self._kv_names]))
         binding = seq.bindings["score"]
         if _numbered_by_the_kernel(start, positions):
             # A tree there goes in as its first node, then the rest.
@@ -219,15 +219,11 @@ class OrtRuntime(Runtime):
             return np.concatenate([first, self._run(binding, 1, tokens[1:], positions[1:], visible)])
         return self._run(binding, start, tokens, positions, visible)
 
-    def _run(self, binding, start: int, tokens, positions, visible) -> np.ndarray:
-        t = len(tokens)
-        feeds = {"input_ids": tokens[None], "position_ids": positions[None]} | _attention_feeds(start, t, visible)
-        for name, array in feeds.items():
-            binding.bind_cpu_input(name, array)
-        logits = np.empty((1, t, self.config.vocab_size), dtype=np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-        self.session.run_with_iobinding(binding)
-        return logits[0]
+    def _run(self, binding: "_Binding", start: int, tokens, positions, visible) -> np.ndarray:
+        binding.feed("input_ids", tokens[None])
+        binding.feed("position_ids", positions[None])
+        _feed_attention(binding, start, tokens, positions, visible)
+        return binding.run(self.session, (1, len(tokens), self.config.vocab_size))[0]
 
     def _move(self, seq: SequenceState, src: np.ndarray, dst: np.ndarray) -> None:
         # Advanced indexing gathers every source before it writes: overlapping moves are safe.
@@ -261,16 +257,12 @@ class OrtRuntime(Runtime):
         session = self._batch_session(size)
         binding = self._bind_batch(session, [seq for seq, *_ in calls])
         sizes = [len(tokens) for _, tokens, _, _ in calls]
-        binding.bind_cpu_input("input_ids", np.concatenate([tokens for _, tokens, _, _ in calls])[None])
-        binding.bind_cpu_input("position_ids", np.concatenate([positions for _, _, positions, _ in calls])[None])
-        binding.bind_cpu_input("slot_tokens", np.asarray(sizes, dtype=np.int64))
-        for slot, (seq, tokens, _, visible) in enumerate(calls):
-            start = seq.length + seq.pending
-            for name, array in _attention_feeds(start, len(tokens), visible).items():
-                binding.bind_cpu_input(f"{name}.{slot}", array)
-        logits = np.empty((1, sum(sizes), self.config.vocab_size), dtype=np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-        session.run_with_iobinding(binding)
+        binding.feed("input_ids", np.concatenate([tokens for _, tokens, _, _ in calls])[None])
+        binding.feed("position_ids", np.concatenate([positions for _, _, positions, _ in calls])[None])
+        binding.feed("slot_tokens", np.asarray(sizes, dtype=np.int64))
+        for slot, (seq, tokens, positions, visible) in enumerate(calls):
+            _feed_attention(binding, seq.length + seq.pending, tokens, positions, visible, f".{slot}")
+        logits = binding.run(session, (1, sum(sizes), self.config.vocab_size))
         return np.split(logits[0], np.cumsum(sizes)[:-1])[:n]
 
     def _bind_batch(self, session, seqs: list[SequenceState]):
@@ -279,7 +271,7 @@ class OrtRuntime(Runtime):
         are bound again (binding a slot's 2 x layers buffers costs ~0.3 ms)."""
         from ..export.ort_lowering import slot_names
 
-        binding, bound = self._batch_bindings.setdefault(id(session), (session.io_binding(), {}))
+        binding, bound = self._batch_bindings.setdefault(id(session), (_Binding(session.io_binding()), {}))
         for slot, seq in enumerate(seqs):
             key = (seq.kv.ctypes.data, seq.kv.shape)
             if bound.get(slot) == key:
@@ -288,8 +280,8 @@ class OrtRuntime(Runtime):
             shape = (1,) + seq.kv.shape[2:]
             for j, (past, present) in enumerate(zip(inputs[3:], outputs)):
                 address = seq.kv[j // 2, j % 2].ctypes.data
-                binding.bind_input(past, "cpu", 0, np.float32, shape, address)
-                binding.bind_output(present, "cpu", 0, np.float32, shape, address)
+                binding.io.bind_input(past, "cpu", 0, np.float32, shape, address)
+                binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
             bound[slot] = key
         return binding
 
@@ -320,11 +312,53 @@ def _numbered_by_the_kernel(start: int, positions: np.ndarray) -> bool:
     return start == 0 and len(positions) > 1 and bool((positions != np.arange(len(positions))).any())
 
 
-def _attention_feeds(start: int, t: int, visible: np.ndarray) -> dict[str, np.ndarray]:
-    """One sequence's attention inputs for ``t`` new tokens written from slot ``start``: the
-    prefix's columns are visible to every new token, the tree's follow the ancestor bits."""
-    n = len(visible)
+class _Binding:
+    """An IOBinding that keeps its small inputs and its logits bound from one run to the next.
+
+    Binding costs 3-20 us a tensor, and a one-token step spent ~280 us outside ONNX Runtime, most
+    of it binding and allocating: so an input whose shape is bound already gets its new values
+    written into the bound array, and the logits of a few tokens go to the buffer bound last time."""
+
+    REUSED_LOGITS_ROWS = 8   # a run of this many tokens or fewer writes into the logits bound last time
+
+    def __init__(self, io):
+        self.io = io
+        self.inputs: dict[str, np.ndarray] = {}   # name -> the array bound, the binding's own
+        self.logits: np.ndarray | None = None
+
+    def feed(self, name: str, array: np.ndarray, fresh: bool = False) -> None:
+        """Bind ``array`` as input ``name`` (its values: a ``fresh`` array, no one else's, is bound
+        as it is, any other copied)."""
+        bound = self.inputs.get(name)
+        if bound is not None and bound.shape == array.shape:
+            np.copyto(bound, array)
+            return
+        self.inputs[name] = bound = array if fresh else np.array(array)
+        self.io.bind_cpu_input(name, bound)
+
+    def run(self, session, logits_shape: tuple[int, ...]) -> np.ndarray:
+        """Run ``session`` on this binding; returns the logits, an array of the caller's own (a
+        copy of the bound one for a few rows, the bound one itself for many)."""
+        if self.logits is None or self.logits.shape != logits_shape:
+            self.logits = np.empty(logits_shape, dtype=np.float32)
+            self.io.bind_output("logits", "cpu", 0, np.float32, logits_shape, self.logits.ctypes.data)
+        session.run_with_iobinding(self.io)
+        if logits_shape[1] <= self.REUSED_LOGITS_ROWS:
+            return self.logits.copy()
+        logits, self.logits = self.logits, None   # the next run binds another
+        return logits
+
+
+def _feed_attention(binding: _Binding, start: int, tokens: np.ndarray, positions: np.ndarray, visible: np.ndarray,
+                    suffix: str = "") -> None:
+    """One sequence's attention inputs for its new ``tokens`` written from slot ``start``: the
+    prefix's columns are visible to every new token, the tree's follow the ancestor bits. A chain
+    straight after the prefix (a prompt, an incremental step: no earlier pending node, the last
+    token at depth t - 1) needs no bias, GroupQueryAttention being causal itself."""
+    t, n = len(tokens), len(visible)
     bias = np.zeros((1, 1, t, start + t), dtype=np.float32)
-    bias[0, 0, :, start + t - n:] = np.where(visible[n - t:], 0.0, LOWEST)
-    return {"attention_bias": bias, "seqlens_k": np.array([start + t - 1], dtype=np.int32),
-            "total_sequence_length": np.array(start + t, dtype=np.int32)}
+    if not (n == t and positions[-1] == start + t - 1):
+        bias[0, 0, :, start + t - n:] = np.where(visible[n - t:], 0.0, LOWEST)
+    binding.feed("attention_bias" + suffix, bias, fresh=True)
+    binding.feed("seqlens_k" + suffix, np.array([start + t - 1], dtype=np.int32), fresh=True)
+    binding.feed("total_sequence_length" + suffix, np.array(start + t, dtype=np.int32), fresh=True)

@@ -224,13 +224,12 @@ class Runtime(abc.ABC):
             if not 0 <= i < seq.pending or seq.parents[i] != previous:
                 raise SpecInferError(f"commit path {path} is not a chain of pending nodes from the prefix")
             previous = i
-        src = seq.length + np.asarray(path, dtype=np.int64)
-        dst = seq.length + np.arange(len(path))
-        moved = src != dst
-        if moved.any():
+        moved = [(i, j) for j, i in enumerate(path) if i != j]
+        if moved:
             # Sources lie at or after their destinations and in increasing order, so moving in
             # order never overwrites a source before it is read.
-            self._move(seq, src[moved], dst[moved])
+            src, dst = (seq.length + np.asarray(column, dtype=np.int64) for column in zip(*moved))
+            self._move(seq, src, dst)
         seq.length += len(path)
         seq.parents, seq.depths = [], []
 
