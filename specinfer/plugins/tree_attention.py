@@ -36,7 +36,7 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """Dense bool [N, N]: ``m[i, j]`` iff j is i or an ancestor of i. ``parents[i] < i`` or -1."""
     n = len(parents)
     if n == 1 and parents[0] == -1:   # an incremental step
-        return np.ones((1, 1), dtype=bool)
+        return np.array([[True]])
     if list(parents) == list(range(-1, n - 1)):   # a chain (a prompt): causal
         return np.tri(n, dtype=bool)
     parents = np.asarray(parents, dtype=np.int64)
