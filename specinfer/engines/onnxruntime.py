@@ -190,23 +190,21 @@ class OrtRuntime(Runtime):
                 self._draft_session = open_session(self.dir / self._draft_onnx, self.threads)
             steps = drafter_present_names(self.config.num_layers, d)
             per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
-            seq.bindings["draft"] = self._bind_cache(self._draft_session, seq, per_layer)
+            seq.bindings["draft"] = _Binding(self._bind_cache(self._draft_session, seq, per_layer))
         binding = seq.bindings["draft"]
         end = seq.length + m + c      # every new token sees all slots before its own: the prefix and the chain
-        binding.bind_cpu_input("input_ids", tokens[None])
-        binding.bind_cpu_input("seqlens_k", np.array([end - 1], dtype=np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(end, dtype=np.int32))
-        drafted, top = np.empty((d, 2), dtype=np.int64), np.empty((d, 2), dtype=np.float32)
-        mass = np.empty(d, dtype=np.float32)
-        for name, array in (("draft_tokens", drafted), ("draft_logits", top), ("draft_mass", mass)):
-            shape = (1, d, 1) if array is mass else (1, d, 2)
-            binding.bind_output(name, "cpu", 0, array.dtype.type, shape, array.ctypes.data)
-        self._draft_session.run_with_iobinding(binding)
+        binding.feed("input_ids", tokens[None])
+        binding.feed("seqlens_k", np.array([end - 1], dtype=np.int32), fresh=True)
+        binding.feed("total_sequence_length", np.array(end, dtype=np.int32), fresh=True)
+        drafted, top, mass = binding.outputs_of((("draft_tokens", (1, d, 2), np.int64), ("draft_logits", (1, d, 2), np.float32),
+                                                 ("draft_mass", (1, d, 1), np.float32)))
+        self._draft_session.run_with_iobinding(binding.io)
         n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
         seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
-        probability = np.exp(top[:depth] - top[:depth, :1]) / mass[:depth, None]
-        return ChainDraft(drafted[:depth, 0].tolist(), probability[:, 0].tolist(),
-                          drafted[:depth, 1].tolist(), probability[:, 1].tolist())
+        drafted, top, mass = drafted[0, :depth], top[0, :depth], mass[0, :depth]   # read before the next run
+        probability = np.exp(top - top[:, :1]) / mass
+        return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
+                          drafted[:, 1].tolist(), probability[:, 1].tolist())
 
     def _forward(self, seq: SequenceState, tokens, positions, visible) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
@@ -325,6 +323,7 @@ class _Binding:
         self.io = io
         self.inputs: dict[str, np.ndarray] = {}   # name -> the array bound, the binding's own
         self.logits: np.ndarray | None = None
+        self.outputs: dict[str, np.ndarray] = {}
 
     def feed(self, name: str, array: np.ndarray, fresh: bool = False) -> None:
         """Bind ``array`` as input ``name`` (its values: a ``fresh`` array, no one else's, is bound
@@ -335,6 +334,14 @@ class _Binding:
             return
         self.inputs[name] = bound = array if fresh else np.array(array)
         self.io.bind_cpu_input(name, bound)
+
+    def outputs_of(self, specs) -> list[np.ndarray]:
+        """Outputs of fixed shapes, ``(name, shape, dtype)`` each: bound once, rewritten every run."""
+        if not self.outputs:
+            for name, shape, dtype in specs:
+                self.outputs[name] = array = np.empty(shape, dtype=dtype)
+                self.io.bind_output(name, "cpu", 0, array.dtype.type, shape, array.ctypes.data)
+        return [self.outputs[name] for name, _, _ in specs]
 
     def run(self, session, logits_shape: tuple[int, ...]) -> np.ndarray:
         """Run ``session`` on this binding; returns the logits, an array of the caller's own (a
