@@ -130,6 +130,43 @@ def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monke
     assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
 
 
+def test_long_prompts_go_in_by_chunks_while_others_step(models):
+    """Chunked prefill: a prompt that arrives while other requests step goes into the LLM a chunk per
+    batch (no batch with steps in it takes more than the chunk of prompt tokens), and every output
+    is still what the request gives alone."""
+    llm, ssms = models
+    chunk, long_prompts = 8, [[1] + list(range(200, 260)), [1] + list(range(100, 137))]
+    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01, prefill_chunk_tokens=chunk)
+    batches = []   # per LLM call: prompt tokens in it, and whether it verified steps too
+    original = llm.score_batch
+
+    def spy(calls):
+        batches.append((sum(len(tokens) for _, tokens, parents in calls if parents is None),
+                        any(parents is not None for _, _, parents in calls)))
+        return original(calls)
+    llm.score_batch = spy
+    try:
+        got: dict = {}
+
+        def late(i, prompt):
+            time.sleep(0.05)   # the short requests are stepping by then (120 one-token steps each)
+            got[i] = [t for step in decode(scheduler.speculator(20, tree=[1, 1]), prompt, 20, [EOS]) for t in step]
+        threads = [threading.Thread(target=late, args=(i, p)) for i, p in enumerate(long_prompts)]
+        for t in threads:
+            t.start()
+        short = run_together(scheduler, PROMPTS[:3], 120, tree=[], start_together=False)
+        for t in threads:
+            t.join(120)
+    finally:
+        llm.score_batch = original
+    assert short == [alone(llm, p, 120) for p in PROMPTS[:3]]
+    assert [got[i] for i in range(2)] == [alone(llm, p, 20, ssms=ssms[:1], tree=[1, 1]) for p in long_prompts]
+    assert all(prompt <= chunk for prompt, steps in batches if steps)
+    assert any(prompt and steps for prompt, steps in batches)   # the prompts did go in beside steps
+    assert scheduler.prefill_chunks >= 3
+    assert scheduler.reserved == 0 and llm.sequences() == []
+
+
 def test_kv_budget_admits_what_fits_and_the_rest_waits_or_is_refused(models):
     llm, ssms = models
     per_token = llm.kv_bytes_per_token + ssms[0].kv_bytes_per_token
