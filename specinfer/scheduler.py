@@ -243,7 +243,7 @@ class Scheduler:
                     job.finish(error=e)
         live = [j for j in steps + starts if not j.done.is_set()]
         calls = [(j.spec.local.seq, trees[id(j)].tokens, trees[id(j)].parents) if j.prefix is None
-                 else (j.spec.local.seq, chunks[id(j)], None) for j in live]
+                 else (j.spec.local.seq, chunks[id(j)], None, True) for j in live]   # a prompt: its last logits
         live, calls = [j for j, c in zip(live, calls) if len(c[1])], [c for c in calls if len(c[1])]
         started = time.perf_counter()
         try:
@@ -266,9 +266,10 @@ class Scheduler:
                 if job.prefix is None:
                     job.finish(job.spec.local.settle(trees[id(job)], logits, seconds))
                 else:
-                    self.llm.commit(job.spec.local.seq, range(len(logits)))
+                    chunk = len(chunks[id(job)])
+                    self.llm.commit(job.spec.local.seq, range(chunk))
                     job.spec.local.stats.llm_seconds += seconds
-                    job.prefilled += len(logits)
+                    job.prefilled += chunk
                     if job.prefilled == len(job.prefix):
                         job.finish()
                     else:   # the next chunk goes first in the next batch

@@ -120,6 +120,18 @@ def test_many_sequences_scored_in_one_call(runtime, reference):
     assert runtime.score_batch([(seqs[1], [1], None)])[0].shape == (1, runtime.vocab_size)
 
 
+def test_a_prompt_call_returns_its_last_logits_only(runtime, reference):
+    """A call marked last-only (a prompt's) returns [1, V], the last token's logits, beside calls
+    that return every token's; the cache holds all its tokens all the same."""
+    s1, s2 = runtime.start(), runtime.start()
+    prompt, tree = runtime.score_batch([(s1, PROMPT, None, True), (s2, PROMPT[:5], None)])
+    assert prompt.shape == (1, runtime.vocab_size) and tree.shape == (5, runtime.vocab_size)
+    assert np.abs(prompt[0] - reference(PROMPT)).max() < TOL
+    assert np.abs(tree[2] - reference(PROMPT[:3])).max() < TOL
+    runtime.commit(s1, range(len(PROMPT)))
+    assert np.abs(runtime.score(s1, [9])[0] - reference(PROMPT + [9])).max() < TOL
+
+
 def test_contract_errors(runtime):
     seq = runtime.start(capacity=10)
     with pytest.raises(SpecInferError, match="capacity 10 reached"):

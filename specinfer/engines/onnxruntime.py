@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
+from ..export.ort_lowering import LOGIT_ROWS
 from .runtime import ChainDraft, Runtime, SequenceState
 
 MANIFEST = "manifest.json"
@@ -69,14 +70,18 @@ def session_options(threads: int | None):
     return options
 
 
-def open_session(model: "str | Path | bytes", threads: int | None = None):
+def open_session(model: "str | Path | bytes", threads: int | None = None, weights_dir: Path | None = None):
     """An ONNX Runtime CPU session with :func:`session_options`. Every session specinfer makes goes
     through these options: once the process's shared pool exists, ONNX Runtime refuses any session
     with a pool of its own (another library's sessions in the same process then need
-    ``use_per_session_threads = False``)."""
+    ``use_per_session_threads = False``). ``weights_dir``: where the external weights of a model
+    given as bytes are (a graph rewritten at load time keeps its export's weights file)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(model) if isinstance(model, Path) else model, session_options(threads),
+    options = session_options(threads)
+    if weights_dir is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
+    return ort.InferenceSession(str(model) if isinstance(model, Path) else model, options,
                                 providers=["CPUExecutionProvider"])
 
 
@@ -129,7 +134,9 @@ class OrtRuntime(Runtime):
     initial_slots = 64          # a sequence's buffer doubles from here as it grows
 
     def __init__(self, onnx_dir: str | Path, threads: int | None = None, max_context: int | None = None):
-        from ..export.ort_lowering import ORT_ONNX, output_names
+        import onnx
+
+        from ..export.ort_lowering import ORT_ONNX, output_names, select_logit_rows
 
         self.dir = Path(onnx_dir)
         self.manifest = read_manifest(self.dir)
@@ -141,7 +148,9 @@ class OrtRuntime(Runtime):
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
         self.threads = threads   # None: the process's shared pool
-        self.session = open_session(self.dir / lowered, threads)
+        # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
+        self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
+        self.session = open_session(self._lowered.SerializeToString(), threads, weights_dir=self.dir)
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
@@ -206,47 +215,51 @@ class OrtRuntime(Runtime):
         return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
                           drafted[:, 1].tolist(), probability[:, 1].tolist())
 
-    def _forward(self, seq: SequenceState, tokens, positions, visible) -> np.ndarray:
+    def _forward(self, seq: SequenceState, tokens, positions, visible, last_only: bool = False) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
         if "score" not in seq.bindings:
             seq.bindings["score"] = _Binding(self._bind_cache(self.session, seq, [names[2:] for names in self._kv_names]))
         binding = seq.bindings["score"]
         if _numbered_by_the_kernel(start, positions):
             # A tree there goes in as its first node, then the rest.
-            first = self._run(binding, 0, tokens[:1], positions[:1], visible[:1, :1])
-            return np.concatenate([first, self._run(binding, 1, tokens[1:], positions[1:], visible)])
-        return self._run(binding, start, tokens, positions, visible)
+            first = self._run(binding, 0, tokens[:1], positions[:1], visible[:1, :1], last_only)
+            rest = self._run(binding, 1, tokens[1:], positions[1:], visible, last_only)
+            return rest if last_only else np.concatenate([first, rest])
+        return self._run(binding, start, tokens, positions, visible, last_only)
 
-    def _run(self, binding: "_Binding", start: int, tokens, positions, visible) -> np.ndarray:
+    def _run(self, binding: "_Binding", start: int, tokens, positions, visible, last_only: bool) -> np.ndarray:
+        t = len(tokens)
         binding.feed("input_ids", tokens[None])
         binding.feed("position_ids", positions[None])
+        binding.feed(LOGIT_ROWS, np.arange(t - 1 if last_only else 0, t, dtype=np.int64), fresh=True)
         _feed_attention(binding, start, tokens, positions, visible)
-        return binding.run(self.session, (1, len(tokens), self.config.vocab_size))[0]
+        return binding.run(self.session, (1, 1 if last_only else t, self.config.vocab_size))[0]
 
     def _move(self, seq: SequenceState, src: np.ndarray, dst: np.ndarray) -> None:
         # Advanced indexing gathers every source before it writes: overlapping moves are safe.
         seq.kv[:, :, :, dst] = seq.kv[:, :, :, src]
 
     # --- many sequences in one run ---------------------------------------------------------------------
-    def _forward_many(self, calls) -> list[np.ndarray]:
+    def _forward_many(self, calls, last_only) -> list[np.ndarray]:
         # Such a call (see _forward) runs alone.
         alone = [i for i, (seq, _, positions, _) in enumerate(calls)
                  if _numbered_by_the_kernel(seq.length + seq.pending, positions)]
         together = [i for i in range(len(calls)) if i not in alone]
         out: list = [None] * len(calls)
         for i in alone:
-            out[i] = self._forward(*calls[i])
+            out[i] = self._forward(*calls[i], last_only[i])
         if len(together) == 1:
-            out[together[0]] = self._forward(*calls[together[0]])
+            out[together[0]] = self._forward(*calls[together[0]], last_only[together[0]])
         elif together:
-            for i, logits in zip(together, self._run_batch([calls[i] for i in together])):
+            for i, logits in zip(together, self._run_batch([calls[i] for i in together], [last_only[i] for i in together])):
                 out[i] = logits
         return out
 
-    def _run_batch(self, calls) -> list[np.ndarray]:
+    def _run_batch(self, calls, last_only) -> list[np.ndarray]:
         if len(calls) > BATCH_SIZES[-1]:
-            return [out for i in range(0, len(calls), BATCH_SIZES[-1])
-                    for out in self._run_batch(calls[i:i + BATCH_SIZES[-1]])]
+            step = BATCH_SIZES[-1]
+            return [out for i in range(0, len(calls), step)
+                    for out in self._run_batch(calls[i:i + step], last_only[i:i + step])]
         n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
         if self._scratch is None:
             self._scratch = SequenceState(self._allocate(1), 1, 1)
@@ -258,10 +271,14 @@ class OrtRuntime(Runtime):
         binding.feed("input_ids", np.concatenate([tokens for _, tokens, _, _ in calls])[None])
         binding.feed("position_ids", np.concatenate([positions for _, _, positions, _ in calls])[None])
         binding.feed("slot_tokens", np.asarray(sizes, dtype=np.int64))
+        # Logits of each call's tokens (a prompt's last only); none for the spare slots.
+        ends = np.cumsum(sizes)[:n]
+        rows = [np.arange(end - 1 if last else end - t, end) for end, t, last in zip(ends, sizes, last_only)]
+        binding.feed(LOGIT_ROWS, np.concatenate(rows), fresh=True)
         for slot, (seq, tokens, positions, visible) in enumerate(calls):
             _feed_attention(binding, seq.length + seq.pending, tokens, positions, visible, f".{slot}")
-        logits = binding.run(session, (1, sum(sizes), self.config.vocab_size))
-        return np.split(logits[0], np.cumsum(sizes)[:-1])[:n]
+        logits = binding.run(session, (1, sum(map(len, rows)), self.config.vocab_size))
+        return np.split(logits[0], np.cumsum([len(r) for r in rows])[:-1])
 
     def _bind_batch(self, session, seqs: list[SequenceState]):
         """The batched session's binding with each sequence's cache as its slot's past and present.
@@ -285,17 +302,10 @@ class OrtRuntime(Runtime):
 
     def _batch_session(self, size: int):
         if size not in self._batched:
-            import onnx
-            import onnxruntime as ort
-
             from ..export.ort_lowering import batch_sequences
 
-            lowered = onnx.load(self.dir / self.manifest["ort_onnx"], load_external_data=False)
-            options = session_options(self.threads)
-            # The rewritten graph goes in as bytes: its weights stay in the export's weights file.
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.dir))
-            self._batched[size] = ort.InferenceSession(batch_sequences(lowered, size).SerializeToString(), options,
-                                                       providers=["CPUExecutionProvider"])
+            self._batched[size] = open_session(batch_sequences(self._lowered, size).SerializeToString(), self.threads,
+                                               weights_dir=self.dir)
         return self._batched[size]
 
 

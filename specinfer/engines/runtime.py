@@ -157,15 +157,17 @@ class Runtime(abc.ABC):
         """
         return self.score_batch([(seq_id, tokens, parents)])[0]
 
-    def score_batch(self, calls: Sequence[tuple[Hashable, Sequence[int], Sequence[int] | None]]) -> list[np.ndarray]:
+    def score_batch(self, calls: Sequence[tuple]) -> list[np.ndarray]:
         """:meth:`score` for several sequences at once, ``(seq_id, tokens, parents)`` each, in one
         model run where the engine can (many requests' trees verified together); their logits in
-        order. All or nothing: a bad call fails the batch before any sequence changes."""
+        order. A call ``(seq_id, tokens, parents, True)`` asks for its last token's logits only
+        ([1, V]: a prompt's), which an engine may then not compute for the others. All or nothing:
+        a bad call fails the batch before any sequence changes."""
         ids = [c[0] for c in calls]
         if len(set(ids)) != len(ids):
             raise SpecInferError("a sequence appears twice in one batch")
-        prepared = [self._prepare(*call) for call in calls]
-        logits = self._forward_many([p[:4] for p in prepared])
+        prepared = [self._prepare(*call[:3]) for call in calls]
+        logits = self._forward_many([p[:4] for p in prepared], [len(call) > 3 and bool(call[3]) for call in calls])
         for seq, _, _, _, parents, depths in prepared:
             seq.parents = seq.parents + parents
             seq.depths = seq.depths + depths
@@ -199,9 +201,11 @@ class Runtime(abc.ABC):
         positions = seq.length + np.asarray(depths, dtype=np.int64)
         return seq, tokens, positions, visible, parents, depths
 
-    def _forward_many(self, calls: list[tuple[SequenceState, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-        """:meth:`_forward` for several sequences; an engine that batches them overrides this."""
-        return [self._forward(*call) for call in calls]
+    def _forward_many(self, calls: list[tuple[SequenceState, np.ndarray, np.ndarray, np.ndarray]],
+                      last_only: list[bool]) -> list[np.ndarray]:
+        """:meth:`_forward` for several sequences (of those ``last_only``, the last token's logits);
+        an engine that batches them, or computes fewer logits, overrides this."""
+        return [self._forward(*call)[-1:] if last else self._forward(*call) for call, last in zip(calls, last_only)]
 
     def _grow(self, seq: SequenceState, need: int) -> None:
         """Make room for ``need`` slots (at most the sequence's limit): if the buffer is smaller, move
@@ -260,8 +264,8 @@ class Runtime(abc.ABC):
         """Score and commit a chain of tokens; returns the logits of the last one, float32 [V]."""
         if self._get(seq_id).pending:
             raise SpecInferError("prefill needs a sequence with no pending tree: commit first")
-        logits = self.score(seq_id, tokens)
-        self.commit(seq_id, range(len(logits)))
+        logits = self.score_batch([(seq_id, tokens, None, True)])[0]
+        self.commit(seq_id, range(len(tokens)))
         return logits[-1]
 
     # --- helpers -----------------------------------------------------------------------------------

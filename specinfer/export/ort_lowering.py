@@ -354,6 +354,34 @@ def validate_lowering(model_bytes: bytes, flat_model, config, max_context: int, 
     return diffs
 
 
+# --- logits only where they are read --------------------------------------------------------------
+LOGIT_ROWS = "logit_rows"
+
+
+def select_logit_rows(model: "onnx.ModelProto") -> "onnx.ModelProto":
+    """The lowered graph (:func:`lower`) with one more input, ``logit_rows`` int64 [R]: the new
+    tokens whose logits it computes (``logits`` [1, R, V]). A prompt needs its last token's only,
+    and the LM head is a quarter of the LLM's work a token (an SSM's most): the final norm and the
+    head then run on the rows asked for. Rewritten at load time, so exports stay as they are."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    nodes = list(graph.node)
+    at = next(i for i, n in enumerate(nodes) if n.output[0] == "final_norm.out")
+    final = nodes[at]
+    gathers = []
+    for i in (0, 1):   # the last residual and the last block's output, which the final norm adds
+        rows = f"{final.input[i]}.rows"
+        gathers.append(helper.make_node("Gather", [final.input[i], LOGIT_ROWS], [rows], name=rows, axis=1))
+        final.input[i] = rows
+    del graph.node[:]
+    graph.node.extend(nodes[:at] + gathers + nodes[at:])
+    graph.input.append(helper.make_tensor_value_info(LOGIT_ROWS, TensorProto.INT64, ["rows"]))
+    logits = next(o for o in graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[1].dim_param = "rows"
+    return model
+
+
 # --- many sequences in one run ------------------------------------------------------------------------
 def slot_names(num_layers: int, slot: int) -> tuple[list[str], list[str]]:
     """A batched graph's per-sequence inputs and KV outputs for sequence ``slot``."""
@@ -415,6 +443,7 @@ def batch_sequences(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
 
     inputs = [known["input_ids"], known["position_ids"],
               helper.make_tensor_value_info("slot_tokens", TensorProto.INT64, [slots])]
+    inputs += [known[LOGIT_ROWS]] if LOGIT_ROWS in known else []   # rows of the whole batch's tokens
     outputs = [known["logits"]]
     for s in range(slots):
         slot_inputs, slot_outputs = slot_names(layers, s)
