@@ -5,7 +5,7 @@ Every request runs :func:`specinfer.generate.decode` (the one loop) on its own t
 to the scheduler's thread and wait. That thread takes whatever is ready, as one batch:
 
     drafts: each sequence's SSMs and lookup draft and merge its tree    (LocalSpeculator.propose)
-    one LLM call scores every tree and every new prompt                  (Runtime.score_batch)
+    one LLM call scores every tree and new prompts (by chunks)           (Runtime.score_batch)
     each sequence verifies its tree and commits the accepted path        (LocalSpeculator.settle)
 
 so the step algorithm is the one of :class:`~specinfer.generate.LocalSpeculator`, and requests join

@@ -7,7 +7,8 @@ bias, rotary inside, fused projections. A sequence's KV cache is one host buffer
 when the sequence starts, as both the graph's ``past_*`` inputs and its ``present_*`` outputs
 (onnxruntime's public IOBinding, by address): the attention kernel sees the same memory on both
 sides, reads the cache in place and writes only the new tokens' rows, so no step copies the cache
-and a step rebinds only its few small inputs and the logits.
+and a step writes only its few small inputs (see :class:`_Binding`). The lowering is rewritten
+at load time to compute logits only for the rows a call asks for (a prompt: its last token).
 
 CPU only: ONNX Runtime's CUDA GroupQueryAttention takes neither ``attention_bias`` nor
 ``position_ids``; the GPU engines are ``torch-gpu`` and ``tensorrt``.
