@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 from .engines.loader import load_runtime
 from .generate import DEFAULT_BUDGET, Stats, decode
-from .scheduler import BATCH_TREE_TOKENS, Scheduler
+from .scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, Scheduler
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, parse_tree
 from .text import TextStream, load_tokenizer
@@ -24,14 +24,16 @@ class Pipeline:
     def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] | None = DYNAMIC,
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
                  threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
-                 kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS):
+                 kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
         verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
 
         Streams may run from many threads at once: their steps are batched (scheduler.py), under
         ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
-        ``batch_tree_tokens`` nodes per batch."""
+        ``batch_tree_tokens`` nodes per batch, and long prompts going in by chunks of
+        ``prefill_chunk_tokens`` while other streams step."""
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.tree = parse_tree(tree)
@@ -39,7 +41,8 @@ class Pipeline:
         self.min_confidence, self.lookup, self.rule = min_confidence, lookup, rule
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
         self.eos_ids = self.llm.config.eos_token_ids
-        self.scheduler = Scheduler(self.llm, self.ssms, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens)
+        self.scheduler = Scheduler(self.llm, self.ssms, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens,
+                                   prefill_chunk_tokens=prefill_chunk_tokens)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

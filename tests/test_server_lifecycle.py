@@ -336,7 +336,8 @@ def test_kv_budget_under_load_admits_what_fits_and_refuses_what_never_can(served
     per_token = sum(OrtRuntime(d).kv_bytes_per_token for d in [served_pair["llm"], *served_pair["ssms"]])
     need = (8 + 1 + 24 + 64) * per_token          # a prompt of up to 8 tokens, 24 new ones, one tree
     repo = write_repository(served_pair["llm"], served_pair["ssms"], tmp_path / "repo", tree="1,1,3,1",
-                            kv_budget=2 * need + need // 2)
+                            kv_budget=2 * need + need // 2, prefill_chunk_tokens=3)   # prompts by chunks too
+    assert 'key: "prefill_chunk_tokens" value: { string_value: "3" }' in (repo / "ensemble_fused" / "config.pbtxt").read_text()
     serve = Serve(tmp_path, "budget", str(repo))
     try:
         serve.wait_ready()

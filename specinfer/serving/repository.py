@@ -18,7 +18,7 @@ from ..engines.loader import load_runtime, onnx_folder
 from ..engines.onnxruntime import read_manifest
 from ..errors import SpecInferError
 from ..generate import DEFAULT_BUDGET
-from ..scheduler import BATCH_TREE_TOKENS
+from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS
 from ..speculate import DYNAMIC, parse_tree
 from ..tree_sizing import StepCost
 from .triton_glue import KEY_FILE
@@ -72,14 +72,15 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) 
 def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC,
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
-                     batch_tree_tokens: int = BATCH_TREE_TOKENS) -> Path:
+                     batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
     or widths; a request may ask for another). ``engines``: a folder of TensorRT engines
     (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime.
     ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out (None: half the
-    memory available when it loads); ``batch_tree_tokens``: tree nodes its batch's trees share."""
+    memory available when it loads); ``batch_tree_tokens``: tree nodes its batch's trees share;
+    ``prefill_chunk_tokens``: prompt tokens a batch takes while other requests step."""
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
@@ -131,7 +132,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
                lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
-               batch_tree_tokens=batch_tree_tokens, **common)
+               batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens, **common)
     (out / "specinfer_repository.json").write_text(json.dumps(
         {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine, "lookup": lookup},
         indent=2))

@@ -47,7 +47,8 @@ class TritonPythonModel:
             llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
             scheduler = Scheduler(llm, ssms, kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
-                                  batch_tree_tokens=int(p["batch_tree_tokens"]))
+                                  batch_tree_tokens=int(p["batch_tree_tokens"]),
+                                  prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
             self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
             max_context, eos_ids, vocab = llm.max_context, list(llm.config.eos_token_ids), llm.vocab_size
             make = lambda req, stats: glue.MeteredSpeculator(
