@@ -270,22 +270,22 @@ class Scheduler:
                     self.llm.commit(job.spec.local.seq, range(chunk))
                     job.spec.local.stats.llm_seconds += seconds
                     job.prefilled += chunk
-                    if job.prefilled == len(job.prefix):
-                        job.finish()
-                    else:   # the next chunk goes first in the next batch
-                        with self._lock:
-                            self._jobs.insert(0, job)
             except Exception as e:  # noqa: BLE001
                 job.finish(error=e)
-        for job in starts:   # an empty prefix: nothing for the LLM to prefill
-            if not job.done.is_set() and not job.prefix:
+        # A start whose prompt is all in is done; the others go first in the next batch.
+        unfinished = [job for job in starts if not job.done.is_set() and job.prefilled < len(job.prefix)]
+        for job in starts:
+            if not job.done.is_set() and job.prefilled == len(job.prefix):
                 job.finish()
+        if unfinished:
+            with self._lock:
+                self._jobs[:0] = unfinished
         self.seconds["verify"] += time.perf_counter() - started - seconds
 
     def _prefill_chunks(self, starts: list[_Job], chunked: bool) -> dict[int, list[int]]:
         """Each start's prompt tokens for this batch: the rest of its prompt, or, where other
         requests step in the batch, at most ``prefill_chunk_tokens`` in all (the oldest start
-        first; a start left with none waits for the next batch, first in line)."""
+        first; a start left with none waits for the next batch)."""
         left = self.prefill_chunk_tokens if chunked and self.prefill_chunk_tokens else None
         chunks = {}
         for job in starts:
@@ -293,11 +293,7 @@ class Scheduler:
             chunks[id(job)] = rest if left is None else rest[:left]
             if left is not None:
                 left -= len(chunks[id(job)])
-            if rest and not chunks[id(job)]:
-                with self._lock:
-                    self._jobs.insert(0, job)
-            elif rest:
-                self.prefill_chunks += 1
+            self.prefill_chunks += bool(chunks[id(job)])
         return chunks
 
 

@@ -212,12 +212,11 @@ def test_a_long_unary_request_does_not_hold_up_a_short_one(triton_server, expect
     assert done == [("short", 200), ("long", 200)] and body["text_output"] == expected[PROMPTS[1]]
 
 
-def steps_taken(server, model, what="count"):
-    """Verification steps the model has run (the count of its accepted-tokens histogram), or with
-    ``what="sum"`` the tokens they emitted."""
+def tokens_emitted(server, model):
+    """Tokens the model's verification steps have emitted (the sum of its accepted-tokens histogram)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    count = re.search(rf'^specinfer_accepted_tokens_per_step_{what}{{model="{model}"}} (\S+)$', text, re.M)
-    return float(count.group(1)) if count else 0.0
+    total = re.search(rf'^specinfer_accepted_tokens_per_step_sum{{model="{model}"}} (\S+)$', text, re.M)
+    return float(total.group(1)) if total else 0.0
 
 
 def drop_http_stream(server, model, prompt, max_tokens):
@@ -242,13 +241,13 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     within a step or so: its sequences and KV are freed, long before max_tokens would be reached."""
     stateful = ["llm", "ssm_0", "ssm_1"] if model == "ensemble" else ["ensemble_fused"]
     counter = "llm" if model == "ensemble" else "ensemble_fused"
-    before = steps_taken(triton_server, counter, "sum")
+    before = tokens_emitted(triton_server, counter)
     other = {}
     runner = threading.Thread(target=lambda: other.update(text="".join(grpc_stream(triton_server, PROMPTS[3], model))))
     runner.start()
     runner.join(timeout=300)
-    alone = steps_taken(triton_server, counter, "sum") - before    # the tokens of one whole request of N tokens
-    before = steps_taken(triton_server, counter, "sum")
+    alone = tokens_emitted(triton_server, counter) - before    # the tokens of one whole request of N tokens
+    before = tokens_emitted(triton_server, counter)
     runner = threading.Thread(target=lambda: other.update(text="".join(grpc_stream(triton_server, PROMPTS[3], model))))
     runner.start()
     long = 200     # the context is 256: a request of ~200 tokens takes many times the steps of one of N
@@ -270,7 +269,7 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     # fused step takes milliseconds), far fewer than its 200; the other request emitted `alone`
     # (tokens, not steps: batched beside the cancelled one, its trees were smaller, its steps more;
     # the slack of N covers its last step's tokens past max_tokens, which may differ)
-    cancelled = steps_taken(triton_server, counter, "sum") - before - alone
+    cancelled = tokens_emitted(triton_server, counter) - before - alone
     assert cancelled < 0.25 * long + N, (cancelled, alone, freed_after)
 
 
