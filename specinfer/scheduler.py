@@ -38,6 +38,7 @@ from .errors import RequestError, ServerBusy, SpecInferError
 from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
 from .speculate import check_vocab
+from .tree import TokenTree
 
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
 # verifies fastest with no draft at all (measured in-process, embedded models, 16 streams: 808
@@ -79,13 +80,15 @@ def parse_bytes(text: str) -> int:
 
 @dataclass
 class _Job:
-    """A sequence's request to the scheduler's thread: a start (prefix) or a step (root, budget)."""
+    """A sequence's request to the scheduler's thread: a start (prefix) or a step (root, budget;
+    or a tree drafted elsewhere, to verify)."""
 
     spec: "BatchedSpeculator"
     prefix: list[int] | None = None
     prefilled: int = 0          # of the prefix, tokens in the LLM's cache (chunked prefill)
     root: int = 0
     budget: int = DEFAULT_BUDGET
+    tree: TokenTree | None = None
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
@@ -130,11 +133,12 @@ class Scheduler:
     def speculator(self, max_new_tokens: int, params: SamplingParams = SamplingParams(),
                    tree: Sequence[int] | None = None, *, rule: str = "mss", lookup: bool = False,
                    min_confidence: float = 0.0, stats: Stats | None = None,
-                   budget: int = DEFAULT_BUDGET) -> "BatchedSpeculator":
+                   budget: int = DEFAULT_BUDGET, seq_id: str | None = None) -> "BatchedSpeculator":
         """A request's speculator (see :class:`~specinfer.generate.LocalSpeculator` for the
-        arguments); ``max_new_tokens`` and ``budget`` size its KV reservation."""
+        arguments); ``max_new_tokens`` and ``budget`` size its KV reservation; ``seq_id``: its
+        sequences' id in the models (default: a new one)."""
         return BatchedSpeculator(self, max_new_tokens, dict(tree=tree, params=params, rule=rule, lookup=lookup,
-                                                            min_confidence=min_confidence), stats, budget)
+                                                            min_confidence=min_confidence), stats, budget, seq_id)
 
     @property
     def sequences(self) -> list:
@@ -145,6 +149,13 @@ class Scheduler:
     def mean_batch(self) -> float:
         """Sequences per batch so far (starts and steps)."""
         return self.batched_sequences / self.batches if self.batches else 0.0
+
+    def tree_share(self, stepping: int = 0) -> int:
+        """Tree nodes (root included) a request may verify in a batch where ``stepping`` requests
+        step: its whole budget alone, else a share of ``batch_tree_tokens``. Shared by the requests
+        running, not only those in the batch: the others come next batch."""
+        running = max(stepping, len(self.running))
+        return max(MIN_TREE, self.batch_tree_tokens // running) if running > 1 else DEFAULT_BUDGET
 
     def kv_bytes(self) -> int:
         """Bytes the sequences' KV buffers hold now (every model of this scheduler)."""
@@ -220,18 +231,21 @@ class Scheduler:
 
     def _run(self, jobs: list[_Job]) -> None:
         """One batch: drafts, one LLM call for every tree and prompt, verification of each."""
+        for job in jobs:
+            if job.spec.local is None:   # released while its job waited (an idle sequence reclaimed)
+                job.finish(error=SpecInferError("the sequence was released"))
+        jobs = [j for j in jobs if not j.done.is_set()]
         steps = [j for j in jobs if j.prefix is None]
         starts = [j for j in jobs if j.prefix is not None]
         self.batches += 1
         self.batched_sequences += len(jobs)
-        # Shared by the requests running, not only those in this batch: the others come next batch.
-        running = max(len(steps), len(self.running))
-        share = max(MIN_TREE, self.batch_tree_tokens // running if running > 1 else DEFAULT_BUDGET)
+        share = self.tree_share(len(steps))
         t0 = time.perf_counter()
         trees = {}
         for job in steps:
             try:
-                trees[id(job)] = job.spec.local.propose(job.root, min(job.budget, share))
+                trees[id(job)] = job.tree if job.tree is not None else \
+                    job.spec.local.propose(job.root, min(job.budget, share))
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 job.finish(error=e)
         chunks = self._prefill_chunks(starts, chunked=bool(steps))
@@ -301,8 +315,10 @@ class BatchedSpeculator:
     """One request's :class:`~specinfer.generate.Speculator` on a :class:`Scheduler`: its state is
     a LocalSpeculator's, its model calls run in the scheduler's batches."""
 
-    def __init__(self, scheduler: Scheduler, max_new_tokens: int, options: dict, stats: Stats | None, budget: int):
+    def __init__(self, scheduler: Scheduler, max_new_tokens: int, options: dict, stats: Stats | None, budget: int,
+                 seq_id: str | None = None):
         self.scheduler, self.max_new_tokens, self.options, self.budget = scheduler, max_new_tokens, options, budget
+        self.seq_id = seq_id or uuid.uuid4().hex
         self.stats = stats if stats is not None else Stats()
         self.max_context = scheduler.llm.max_context
         self.local: LocalSpeculator | None = None
@@ -316,7 +332,7 @@ class BatchedSpeculator:
         s._admit(nbytes, tokens)
         self.reserved = nbytes
         try:
-            self.local = LocalSpeculator(s.llm, s.ssms, stats=self.stats, seq_id=uuid.uuid4().hex, capacity=tokens,
+            self.local = LocalSpeculator(s.llm, s.ssms, stats=self.stats, seq_id=self.seq_id, capacity=tokens,
                                          **self.options)
             with s._lock:
                 s.running.add(self)
@@ -328,6 +344,11 @@ class BatchedSpeculator:
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
         return self.scheduler._submit(_Job(self, root=int(root), budget=budget))
+
+    def verify(self, tree: TokenTree) -> tuple[list[int], int]:
+        """A step whose tree was drafted elsewhere (the served ``llm`` model's: the SSM models drafted
+        it and ``tree_builder`` merged it): verified in the next batch, its accepted path committed."""
+        return self.scheduler._submit(_Job(self, root=tree.tokens[0], tree=tree))
 
     def release(self) -> None:
         s = self.scheduler

@@ -284,8 +284,8 @@ def test_internal_models_refuse_clients(triton_server):
     for model in ("llm", "ssm_0", "lookup"):
         inputs = []
         for name, value in (("op", b"start"), ("sequence_id", b"made-up"), ("caller_key", b"guess")):
-            t = grpcclient.InferInput(name, [1], "BYTES")
-            t.set_data_from_numpy(np.array([value], dtype=object))
+            t = grpcclient.InferInput(name, [1, 1], "BYTES")   # the inner models take batches of one
+            t.set_data_from_numpy(np.array([[value]], dtype=object))
             inputs.append(t)
         with pytest.raises(InferenceServerException, match="internal to specinfer's orchestrator"):
             client.infer(model, inputs)

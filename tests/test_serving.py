@@ -10,6 +10,7 @@ import pytest
 from conftest import TINY_VOCAB, chi_square_p
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import SpecInferError
+from specinfer import generate
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
@@ -133,7 +134,7 @@ def orchestrator(models, cancel_after=None):
              for i, m in enumerate(draft_models)]
     make = lambda req, stats: RemoteSpeculator(local_call(verify_model, draft_models), names,
                                                f"seq-{next(counter)}-{threading.get_ident()}", llm.max_context,
-                                               req.params, req.tree, stats)
+                                               req.params, req.tree, stats, rule=req.rule, max_tokens=req.max_tokens)
     return Orchestrator(tok, llm.max_context, list(llm.config.eos_token_ids), llm.vocab_size, make), tok
 
 
@@ -204,9 +205,13 @@ def test_prompt_in_output_end_id_and_stop_words(models):
 
 
 def test_concurrent_sequences_do_not_see_each_other(models):
+    """Requests at once through the served models: each output is its output alone, and the llm
+    model verified several requests' trees in one LLM call."""
     orch, tok = orchestrator(models)
     prompts = ["def f(x):", "import sys", "class B(A):", "for i in range(3):"]
     alone = {p: list(orch.run(request(tok, p)))[-1][0]["output_ids"].tolist() for p in prompts}
+    scheduler = models[2].scheduler
+    batches, sequences = scheduler.batches, scheduler.batched_sequences
     results = {}
 
     def worker(p):
@@ -217,6 +222,7 @@ def test_concurrent_sequences_do_not_see_each_other(models):
     for t in threads:
         t.join()
     assert results == alone
+    assert (scheduler.batched_sequences - sequences) / (scheduler.batches - batches) > 1.5
 
 
 def test_cancellation_releases_every_model(models):
@@ -320,12 +326,13 @@ def test_the_rule_is_read_checked_and_sent_to_the_llm():
     assert read_request({"input_ids": ids(1, 2), "rule": np.array([b"traversal"], object)}, 256).rule == "traversal"
     with pytest.raises(SpecInferError, match="'rule' must be one of mss, traversal, naive"):
         read_request({"input_ids": ids(1, 2), "rule": np.array([b"best"], object)}, 256)
-    sent = []
-    speculator = RemoteSpeculator(lambda name, t: sent.append(t) or {"accepted_tokens": ids(5), "bonus": ids(6),
-                                                                       "draft_tokens": np.array([0], np.int32)},
-                                  [], "s", 256, SamplingParams(temperature=1.0), None, Stats(), rule="traversal")
-    speculator.step(5, 8)
-    assert sent[-1]["rule"].tolist() == [b"traversal"]
+    sent = {}
+    speculator = RemoteSpeculator(lambda name, t: sent.setdefault(name, t), ["ssm_0"], "s", 256,
+                                  SamplingParams(temperature=1.0), None, Stats(), rule="traversal", max_tokens=7)
+    speculator.start([1, 2])
+    # The llm model's sequence verifies with the rule it starts with, and reserves KV for max_tokens.
+    assert sent["llm"]["rule"].tolist() == [b"traversal"] and sent["llm"]["max_tokens"].tolist() == [7]
+    assert "rule" not in sent["ssm_0"] and "max_tokens" not in sent["ssm_0"]
 
 
 def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(models):
@@ -381,16 +388,16 @@ def test_a_verification_that_raises_leaves_the_sequence_usable(served_pair, monk
             for step in range(4):
                 tree = tensors_to_tree(draft_model.step(seq_id, accepted, root, params, 8))
                 if step == fail_at:
-                    real = serving_models.verify
+                    real = generate.verify
 
                     def broken(*args, **kwargs):
-                        monkeypatch.setattr(serving_models, "verify", real)   # once
+                        monkeypatch.setattr(generate, "verify", real)   # once
                         raise RuntimeError("verification failed")
-                    monkeypatch.setattr(serving_models, "verify", broken)
+                    monkeypatch.setattr(generate, "verify", broken)
                     with pytest.raises(RuntimeError, match="verification failed"):
-                        verify_model.step(seq_id, tree, params)
+                        verify_model.step(seq_id, tree)
                     assert llm._get(seq_id).pending == 0    # nothing left of the failed step's tree
-                accepted, bonus = verify_model.step(seq_id, tree, params)
+                accepted, bonus = verify_model.step(seq_id, tree)
                 out += accepted[1:] + [bonus]
                 root = bonus
         finally:

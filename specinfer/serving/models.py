@@ -21,13 +21,13 @@ import numpy as np
 
 from ..engines.runtime import Runtime
 from ..errors import RequestError, SpecInferError
-from ..generate import DEFAULT_BUDGET
+from ..generate import DEFAULT_BUDGET, SSM_MIN_BUDGET
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
 from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
 from ..tree import Proposal, TokenTree, merge
+from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, Scheduler
 from ..tree_sizing import StepCost, TreeSizer, acceptance
-from ..verify import verify
 from .request import Tensors, as_text, sampling_from, scalar, tree_spec, verification_rule
 
 
@@ -206,10 +206,10 @@ class DraftModel(_SequenceModel):
             drafter.commit(accepted)
         drafter.sizer = self.sizer if widths is None else None
         budget = budget if widths != [] else 1    # tree "none": incremental decoding
-        # Without room for a tree, no draft: the next commit keeps the root as catch-up.
+        # Without room for a draft worth its call, no draft: the next commit keeps the root as catch-up.
         start = time.perf_counter()
-        draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget) if budget > 1 \
-            else TokenTree(root)
+        draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget) \
+            if budget >= SSM_MIN_BUDGET else TokenTree(root)
         if drafter.sizer is not None and drafter.drafted:
             drafter.sizer.observe(time.perf_counter() - start)
         return tree_to_tensors(draft, self.vocab_size)
@@ -265,51 +265,64 @@ class LookupModel(DraftModel):
 
 
 class VerifyModel(_SequenceModel):
-    """``llm``: the LLM's sequences; a step scores the merged tree in one call, verifies, commits."""
+    """``llm``: the LLM's sequences; a step scores the merged tree, verifies it and commits.
 
-    def __init__(self, runtime: Runtime, key: str | None = None):
+    The steps of concurrent requests are verified together: each sequence is a request of one
+    :class:`~specinfer.scheduler.Scheduler` (the in-process engine's), whose thread scores every
+    waiting tree in one LLM call, prompts by chunks beside them, and keeps the sequences' KV under
+    ``kv_budget`` bytes (None: half the memory available now). A step blocks its caller until its
+    batch has run; the Triton model calls it from a thread per request. Every answer carries
+    ``tree_budget``, the scheduler's tree share for the sequence's next step (the drafts shrink as
+    more requests run, as in the fused engine)."""
+
+    def __init__(self, runtime: Runtime, key: str | None = None, *, kv_budget: int | None = None,
+                 batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS,
+                 gather_seconds: float = 0.005):
         self.runtime, self.key = runtime, key
+        self.scheduler = Scheduler(runtime, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens,
+                                   prefill_chunk_tokens=prefill_chunk_tokens, gather_seconds=gather_seconds)
         self.sequences = _Sequences()
 
-    def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
-        self.runtime.start(seq_id)
+    def start(self, seq_id, prefix: list[int], params: SamplingParams, max_tokens: int | None = None,
+              rule: str = "mss") -> None:
+        """Open a sequence and put its prompt in (admitted if the KV it may reach, prompt plus
+        ``max_tokens`` (default: up to the context) plus a tree, fits the budget; else it waits or
+        is refused, see the scheduler)."""
+        if seq_id in self.sequences.items:
+            raise SpecInferError(f"sequence {seq_id!r} is already open")
+        spec = self.scheduler.speculator(max_tokens or self.runtime.max_context, params, [], rule=rule,
+                                         seq_id=seq_id)
+        spec.start(prefix)
         try:
-            if prefix:
-                self.runtime.prefill(seq_id, prefix)
+            self.sequences.add(seq_id, spec)
         except BaseException:
-            self.runtime.release(seq_id)
+            spec.release()
             raise
-        self.sequences.add(seq_id, np.random.default_rng(None if params.seed is None else [params.seed, 0]))
 
-    def step(self, seq_id, tree: TokenTree, params: SamplingParams, rule: str = "mss") -> tuple[list[int], int]:
-        rng = self.sequences.get(seq_id)
-        logits = self.runtime.score(seq_id, tree.tokens, tree.parents)
-        try:
-            verdict = verify(tree, logits, params, rng, rule)
-        except BaseException:
-            # score left the tree's nodes pending: drop them, or the sequence's next score would
-            # append to a stale tree (commit of no node keeps none).
-            self.runtime.commit(seq_id, [])
-            raise
-        self.runtime.commit(seq_id, verdict.path)
-        return [tree.tokens[i] for i in verdict.path], verdict.bonus
+    def step(self, seq_id, tree: TokenTree) -> tuple[list[int], int]:
+        """Verify ``tree`` (with the sampling and rule the sequence started with) and commit the
+        accepted path; its tokens, root first, and the LLM's bonus token."""
+        return self.sequences.get(seq_id).verify(tree)
 
     def handle(self, t: Tensors) -> Tensors:
         """One request of the ``llm`` model: op start (prefill), step (verify + commit) or release."""
         op, seq = _op_and_sequence(t, self.key)
         path, bonus, drafted = [], -1, 0
         if op == "start":
-            self.start(seq, _ids(t, "tokens"), sampling_from(t))
+            self.start(seq, _ids(t, "tokens"), sampling_from(t), scalar(t, "max_tokens", "i", 0) or None,
+                       verification_rule(t))
         elif op == "release":
             self.release(seq)
         else:
             tree = tensors_to_tree(t)
-            path, bonus = self.step(seq, tree, sampling_from(t), verification_rule(t))
+            path, bonus = self.step(seq, tree)
             drafted = len(tree) - 1
         return {"accepted_tokens": np.asarray(path, dtype=np.int64), "bonus": np.array([bonus], dtype=np.int64),
-                "draft_tokens": np.array([drafted], dtype=np.int32)}
+                "draft_tokens": np.array([drafted], dtype=np.int32),
+                "tree_budget": np.array([self.scheduler.tree_share()], dtype=np.int32)}
 
     def release(self, seq_id) -> bool:
-        rng = self.sequences.pop(seq_id)
-        self.runtime.release(seq_id)
-        return rng is not None
+        spec = self.sequences.pop(seq_id)
+        if spec is not None:
+            spec.release()
+        return spec is not None

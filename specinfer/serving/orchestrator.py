@@ -28,8 +28,11 @@ class RemoteSpeculator:
 
     def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
                  max_context: int, params: SamplingParams, tree: str | None, stats: Stats, key: str | None = None,
-                 rule: str = "mss"):
+                 rule: str = "mss", max_tokens: int | None = None):
+        """``max_tokens``: the request's, which sizes the KV the ``llm`` model reserves for it."""
         self.call, self.ssm_names, self.seq_id, self.key, self.rule = call, ssm_names, seq_id, key, rule
+        self.max_tokens = max_tokens
+        self.tree_budget = DEFAULT_BUDGET   # the llm model's tree share for the next step
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
         self.last_path: list[int] = []
@@ -47,23 +50,34 @@ class RemoteSpeculator:
 
     def start(self, prefix: list[int]) -> None:
         inputs = self._common("start") | {"tokens": np.asarray(prefix, dtype=np.int64)}
+        # The llm model verifies with the rule the sequence starts with, and reserves its KV.
+        llm = inputs | {"rule": np.array([self.rule.encode()], dtype=object)}
+        if self.max_tokens is not None:
+            llm["max_tokens"] = np.array([self.max_tokens], dtype=np.int32)
         for name in ["llm"] + self.ssm_names:
-            self.call(name, inputs)
+            out = self.call(name, llm if name == "llm" else inputs)
             self.started.append(name)
+            if name == "llm":
+                self._read_tree_budget(out)
+
+    def _read_tree_budget(self, out: Tensors) -> None:
+        if out.get("tree_budget") is not None:
+            self.tree_budget = int(np.asarray(out["tree_budget"]).reshape(-1)[0])
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
+        # The trees shrink as more requests run: the llm model's scheduler says by how much.
+        budget = min(budget, self.tree_budget)
         inputs = self._common("step") | {"tokens": np.asarray(self.last_path, dtype=np.int64),
                                          "root": np.array([root], dtype=np.int64),
                                          "budget": np.array([budget], dtype=np.int32)}
         if self.tree:
             inputs["tree"] = np.array([self.tree.encode()], dtype=object)
-        if self.rule != "mss":
-            inputs["rule"] = np.array([self.rule.encode()], dtype=object)
         out = self.call("spec_step", inputs)
         path = [int(t) for t in np.asarray(out["accepted_tokens"]).reshape(-1)]
         self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])
         self.stats.accepted_draft_tokens += len(path) - 1
         self.last_path = path
+        self._read_tree_budget(out)
         return path, int(np.asarray(out["bonus"]).reshape(-1)[0])
 
     def release(self) -> None:

@@ -111,7 +111,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     key_file.write_text(secrets.token_hex(16))
     tokenizer_dir = onnx_folder(llm).resolve()
     common = dict(engine=engine, threads=threads)
-    _model("llm", "llm", out, model_dir=llm_dir, idle_timeout=idle_timeout, **common)
+    _model("llm", "llm", out, model_dir=llm_dir, idle_timeout=idle_timeout, kv_budget="" if kv_budget is None else int(kv_budget),
+           batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens, **common)
     drafters = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
     for i, name in enumerate(drafters):
         _model("ssm", name, out, name=name, drafter="lookup" if name == "lookup" else "ssm",

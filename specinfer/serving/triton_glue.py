@@ -31,18 +31,25 @@ def is_decoupled(pb, args: dict) -> bool:
     return pb.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
 
-def read(pb, request, names: list[str]) -> Tensors:
-    """The request's inputs among ``names`` (absent optional inputs are left out)."""
+def read(pb, request, names: list[str], batched: bool = False) -> Tensors:
+    """The request's inputs among ``names`` (absent optional inputs are left out); ``batched``: the
+    model batches, and a request is a batch of one, whose leading dimension comes off."""
     out = {}
     for name in names:
         t = pb.get_input_tensor_by_name(request, name)
         if t is not None:
-            out[name] = t.as_numpy()
+            a = t.as_numpy()
+            if batched:
+                if a.ndim == 0 or a.shape[0] != 1:
+                    raise RequestError(f"'{name}': a request to this model is a batch of one, got shape {list(a.shape)}")
+                a = a[0]
+            out[name] = a
     return out
 
 
-def response(pb, tensors: Tensors):
-    return pb.InferenceResponse([pb.Tensor(k, np.ascontiguousarray(v)) for k, v in tensors.items()])
+def response(pb, tensors: Tensors, batched: bool = False):
+    return pb.InferenceResponse([pb.Tensor(k, np.ascontiguousarray(v)[None] if batched else np.ascontiguousarray(v))
+                                 for k, v in tensors.items()])
 
 
 def error(pb, exc: BaseException, model: str | None = None):
@@ -64,17 +71,22 @@ def error(pb, exc: BaseException, model: str | None = None):
     return pb.InferenceResponse(error=pb.TritonError(message, pb.TritonError.INTERNAL))
 
 
-def handle(pb, request, names: list[str], fn: Callable[[Tensors], Tensors], model: str | None = None):
-    """Run ``fn`` on a request's inputs; a response, or an error response (see :func:`error`)."""
+def handle(pb, request, names: list[str], fn: Callable[[Tensors], Tensors], model: str | None = None,
+           batched: bool = False):
+    """Run ``fn`` on a request's inputs; a response, or an error response (see :func:`error`).
+    ``batched``: see :func:`read`."""
     try:
-        return response(pb, fn(read(pb, request, names)))
+        return response(pb, fn(read(pb, request, names, batched)), batched)
     except Exception as e:  # noqa: BLE001 - every failure becomes this request's error, not the server's
         return error(pb, e, model)
 
 
 def bls(pb, model: str, inputs: Tensors) -> Tensors:
-    """Call another model of the repository (Business Logic Scripting) and return its outputs."""
-    request = pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+    """Call another model of the repository (Business Logic Scripting) and return its outputs. The
+    repository's inner models batch (``max_batch_size`` >= 1; the llm model's batcher puts many
+    requests in one ``execute``): each request is a batch of one, so a leading dimension of 1 goes
+    on every input and comes off every output."""
+    request = pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)[None]) for k, v in inputs.items()],
                                   requested_output_names=[])
     result = request.exec()
     if result.has_error():
@@ -83,7 +95,7 @@ def bls(pb, model: str, inputs: Tensors) -> Tensors:
         err = result.error()
         kind = RequestError if err.code() == pb.TritonError.INVALID_ARG else SpecInferError
         raise kind(f"{model}: {err.message()}")
-    return {t.name(): t.as_numpy() for t in result.output_tensors()}
+    return {t.name(): t.as_numpy()[0] for t in result.output_tensors()}
 
 
 class Metrics:
@@ -118,10 +130,15 @@ class Metrics:
         self.kv_bytes.set(model.kv_bytes())
 
 
-def timed(fn: Callable[[], Tensors], metric) -> Tensors:
+def timed(fn: Callable[[], Tensors], metric, lock: threading.Lock | None = None) -> Tensors:
+    """``fn()``, its seconds observed in ``metric`` (under ``lock``, where threads share it)."""
     start = time.perf_counter()
     out = fn()
-    metric.observe(time.perf_counter() - start)
+    if lock is None:
+        metric.observe(time.perf_counter() - start)
+    else:
+        with lock:
+            metric.observe(time.perf_counter() - start)
     return out
 
 
@@ -146,7 +163,9 @@ def stopping() -> bool:
 def reclaim_idle(model, lock: threading.Lock, idle_seconds: float, metrics: "Metrics") -> threading.Thread:
     """Start a thread that releases the sequences of ``model`` idle for more than ``idle_seconds``
     (their orchestrator died or lost them), counted in ``specinfer_reclaimed_sequences_total``.
-    ``lock`` is the one ``execute`` holds, so a release never runs beside a step."""
+    ``lock`` is held while it releases and updates the metrics: the one ``execute`` holds (the ssm
+    models: a release never runs beside a step), or the metrics' own (llm: its scheduler keeps a
+    release from running beside a batch)."""
     def loop():
         while True:
             time.sleep(max(1.0, idle_seconds / 4))

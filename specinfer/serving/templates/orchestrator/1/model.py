@@ -62,7 +62,8 @@ class TritonPythonModel:
             call = lambda model, inputs: glue.bls(pb, model, inputs)
             key = glue.caller_key(args)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
-                                                       req.tree or tree, stats, key=key, rule=req.rule)
+                                                       req.tree or tree, stats, key=key, rule=req.rule,
+                                                       max_tokens=req.max_tokens)
         self.orchestrator = Orchestrator(load_tokenizer(p["tokenizer_dir"]), max_context, eos_ids, vocab, make, budget)
         # Which specinfer this stub imported (SPECINFER_PYTHONPATH's first), for whoever reads the log.
         pb.Logger.log_info(f"{self.name}: specinfer from {os.path.dirname(os.path.dirname(glue.__file__))}")

@@ -37,7 +37,7 @@ class TritonPythonModel:
     def execute(self, requests):
         with self.lock:
             out = [glue.handle(pb, r, INPUTS, lambda t: glue.timed(lambda: self.model.handle(t), self.metrics.step_seconds),
-                               self.name)
+                               self.name, batched=True)
                    for r in requests]
             self.metrics.update(self.model)
         return out

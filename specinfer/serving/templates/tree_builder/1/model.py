@@ -25,4 +25,4 @@ class TritonPythonModel:
         return build_tree(int(t["root"][0]), trees, int(t["budget"][0]), self.vocab_size)
 
     def execute(self, requests):
-        return [glue.handle(pb, r, self.inputs, self.merge, "tree_builder") for r in requests]
+        return [glue.handle(pb, r, self.inputs, self.merge, "tree_builder", batched=True) for r in requests]
