@@ -222,15 +222,31 @@ class Scheduler:
                     self._lock.wait(max(0.0, deadline - time.monotonic()))
                 jobs, self._jobs = self._jobs[:self.max_batch], self._jobs[self.max_batch:]
             with self._run_lock:
-                try:
-                    self._run(jobs)
-                except BaseException as e:  # noqa: BLE001 - a bug here must fail the batch, not hang it
-                    for job in jobs:
-                        if not job.done.is_set():
-                            job.finish(error=e)
+                unfinished = self._run_guarded(jobs)
+            if unfinished:   # prompts not all in: first in the next batch
+                with self._lock:
+                    self._jobs[:0] = unfinished
 
-    def _run(self, jobs: list[_Job]) -> None:
-        """One batch: drafts, one LLM call for every tree and prompt, verification of each."""
+    def run_now(self, jobs: list[_Job]) -> None:
+        """Run ``jobs`` on the calling thread, as one batch (and more for prompts that go in by
+        chunks), for a caller whose batches are gathered already: the served llm model, to which
+        Triton's batcher hands every request that waited."""
+        with self._run_lock:
+            while jobs:
+                jobs = self._run_guarded(jobs)
+
+    def _run_guarded(self, jobs: list[_Job]) -> list[_Job]:
+        try:
+            return self._run(jobs)
+        except BaseException as e:  # noqa: BLE001 - a bug here must fail the batch, not hang it
+            for job in jobs:
+                if not job.done.is_set():
+                    job.finish(error=e)
+            return []
+
+    def _run(self, jobs: list[_Job]) -> list[_Job]:
+        """One batch: drafts, one LLM call for every tree and prompt, verification of each; returns
+        the starts whose prompts are not all in yet."""
         for job in jobs:
             if job.spec.local is None:   # released while its job waited (an idle sequence reclaimed)
                 job.finish(error=SpecInferError("the sequence was released"))
@@ -291,10 +307,8 @@ class Scheduler:
         for job in starts:
             if not job.done.is_set() and job.prefilled == len(job.prefix):
                 job.finish()
-        if unfinished:
-            with self._lock:
-                self._jobs[:0] = unfinished
         self.seconds["verify"] += time.perf_counter() - started - seconds
+        return unfinished
 
     def _prefill_chunks(self, starts: list[_Job], chunked: bool) -> dict[int, list[int]]:
         """Each start's prompt tokens for this batch: the rest of its prompt, or, where other
@@ -325,6 +339,16 @@ class BatchedSpeculator:
         self.reserved = 0
 
     def start(self, prefix: list[int]) -> None:
+        job = self.open(prefix)
+        try:
+            self.scheduler._submit(job)
+        except BaseException:
+            self.release()
+            raise
+
+    def open(self, prefix: list[int]) -> _Job:
+        """Admit the sequence (reserve the KV it may reach) and make its state; the job that puts
+        its prompt in, to run (:meth:`start` submits it)."""
         s = self.scheduler
         # The prompt (prefix and root), max_new_tokens and one tree: the most this sequence holds.
         tokens = min(s.llm.max_context, len(prefix) + 1 + self.max_new_tokens + self.budget)
@@ -336,19 +360,20 @@ class BatchedSpeculator:
                                          **self.options)
             with s._lock:
                 s.running.add(self)
-            s._submit(_Job(self, prefix=[int(t) for t in prefix]))
         except BaseException:
             self.release()
             raise
         self.max_context = tokens
+        return _Job(self, prefix=[int(t) for t in prefix])
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
         return self.scheduler._submit(_Job(self, root=int(root), budget=budget))
 
-    def verify(self, tree: TokenTree) -> tuple[list[int], int]:
-        """A step whose tree was drafted elsewhere (the served ``llm`` model's: the SSM models drafted
-        it and ``tree_builder`` merged it): verified in the next batch, its accepted path committed."""
-        return self.scheduler._submit(_Job(self, root=tree.tokens[0], tree=tree))
+    def verify_job(self, tree: TokenTree) -> _Job:
+        """The job of a step whose tree was drafted elsewhere (the served ``llm`` model's: the SSM
+        models drafted it, ``tree_builder`` merged it): verify it, commit the accepted path; its
+        result is (path tokens, bonus), as :meth:`step`'s."""
+        return _Job(self, root=tree.tokens[0], tree=tree)
 
     def release(self) -> None:
         s = self.scheduler

@@ -205,13 +205,9 @@ def test_prompt_in_output_end_id_and_stop_words(models):
 
 
 def test_concurrent_sequences_do_not_see_each_other(models):
-    """Requests at once through the served models: each output is its output alone, and the llm
-    model verified several requests' trees in one LLM call."""
     orch, tok = orchestrator(models)
     prompts = ["def f(x):", "import sys", "class B(A):", "for i in range(3):"]
     alone = {p: list(orch.run(request(tok, p)))[-1][0]["output_ids"].tolist() for p in prompts}
-    scheduler = models[2].scheduler
-    batches, sequences = scheduler.batches, scheduler.batched_sequences
     results = {}
 
     def worker(p):
@@ -222,7 +218,45 @@ def test_concurrent_sequences_do_not_see_each_other(models):
     for t in threads:
         t.join()
     assert results == alone
-    assert (scheduler.batched_sequences - sequences) / (scheduler.batches - batches) > 1.5
+
+
+def test_the_llm_model_verifies_a_batch_of_requests_in_one_call(served_pair, monkeypatch):
+    """handle_batch (what Triton's batcher hands the llm model): the prompts go in with one LLM call,
+    then each step verifies every sequence's tree with one call; every sequence decodes as it does
+    alone, and a bad request in the batch fails alone."""
+    llm, ssm = OrtRuntime(served_pair["llm"]), OrtRuntime(served_pair["ssms"][0])
+    verify_model, draft_model = VerifyModel(llm), DraftModel(ssm, 0, "2,1,1")
+    calls = []
+    real = llm.score_batch
+    monkeypatch.setattr(llm, "score_batch", lambda batch: calls.append(len(batch)) or real(batch))
+    text = lambda s: np.array([s.encode()], dtype=object)
+
+    def decode(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+        starts = [{"op": text("start"), "sequence_id": text(n), "tokens": ids(*p[:-1])} for n, p in prompts.items()]
+        assert all(isinstance(a, dict) for a in verify_model.handle_batch(starts))
+        out, accepted, roots = {n: [] for n in prompts}, {n: [] for n in prompts}, {n: p[-1] for n, p in prompts.items()}
+        for n, p in prompts.items():
+            draft_model.start(n, p[:-1], SamplingParams())
+        for _ in range(4):
+            steps = [{"op": text("step"), "sequence_id": text(n)}
+                     | draft_model.handle({"op": text("step"), "sequence_id": text(n), "tokens": ids(*accepted[n]),
+                                           "root": ids(roots[n]), "budget": np.array([8], np.int32)}) for n in prompts]
+            answers = verify_model.handle_batch(steps + [steps[0] | {"sequence_id": text("nobody")}])
+            assert isinstance(answers[-1], SpecInferError) and "unknown sequence" in str(answers[-1])
+            for n, a in zip(prompts, answers):
+                accepted[n], roots[n] = a["accepted_tokens"].tolist(), int(a["bonus"][0])
+                out[n] += accepted[n][1:] + [roots[n]]
+        for n in prompts:
+            verify_model.release(n)
+            draft_model.release(n)
+        return out
+
+    prompts = {"a": [1, 5, 9, 13], "b": [7, 3], "c": [2, 2, 2, 4, 6]}
+    together = decode(prompts)
+    assert calls == [3] * 5   # the three prompts, then each step's three trees
+    alone = {n: decode({n + "-alone": p})[n + "-alone"] for n, p in prompts.items()}
+    assert together == alone and all(len(o) >= 4 for o in together.values())
+    assert llm.sequences() == [] and ssm.sequences() == []
 
 
 def test_cancellation_releases_every_model(models):

@@ -24,9 +24,9 @@ from ..errors import RequestError, SpecInferError
 from ..generate import DEFAULT_BUDGET, SSM_MIN_BUDGET
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
+from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, Scheduler
 from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
 from ..tree import Proposal, TokenTree, merge
-from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, Scheduler
 from ..tree_sizing import StepCost, TreeSizer, acceptance
 from .request import Tensors, as_text, sampling_from, scalar, tree_spec, verification_rule
 
@@ -267,56 +267,107 @@ class LookupModel(DraftModel):
 class VerifyModel(_SequenceModel):
     """``llm``: the LLM's sequences; a step scores the merged tree, verifies it and commits.
 
-    The steps of concurrent requests are verified together: each sequence is a request of one
-    :class:`~specinfer.scheduler.Scheduler` (the in-process engine's), whose thread scores every
-    waiting tree in one LLM call, prompts by chunks beside them, and keeps the sequences' KV under
-    ``kv_budget`` bytes (None: half the memory available now). A step blocks its caller until its
-    batch has run; the Triton model calls it from a thread per request. Every answer carries
-    ``tree_budget``, the scheduler's tree share for the sequence's next step (the drafts shrink as
-    more requests run, as in the fused engine)."""
+    :meth:`handle_batch` takes many requests at once (the Triton model gets every request that
+    waited while the last batch ran) and runs them as one batch of the in-process engine's
+    :class:`~specinfer.scheduler.Scheduler`: one LLM call scores every step's tree and every new
+    prompt, and the sequences' KV stays under ``kv_budget`` bytes (None: half the memory available
+    now). A start that does not fit is refused at once (the batch cannot wait for memory that only
+    a later request's release frees). Every answer carries ``tree_budget``, the scheduler's tree
+    share for the sequence's next step (drafts shrink as more requests run, as in the fused engine)."""
 
     def __init__(self, runtime: Runtime, key: str | None = None, *, kv_budget: int | None = None,
-                 batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS,
-                 gather_seconds: float = 0.005):
+                 batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS):
         self.runtime, self.key = runtime, key
         self.scheduler = Scheduler(runtime, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens,
-                                   prefill_chunk_tokens=prefill_chunk_tokens, gather_seconds=gather_seconds)
+                                   prefill_chunk_tokens=prefill_chunk_tokens, max_waiting=0)
         self.sequences = _Sequences()
 
     def start(self, seq_id, prefix: list[int], params: SamplingParams, max_tokens: int | None = None,
               rule: str = "mss") -> None:
-        """Open a sequence and put its prompt in (admitted if the KV it may reach, prompt plus
-        ``max_tokens`` (default: up to the context) plus a tree, fits the budget; else it waits or
-        is refused, see the scheduler)."""
-        if seq_id in self.sequences.items:
-            raise SpecInferError(f"sequence {seq_id!r} is already open")
-        spec = self.scheduler.speculator(max_tokens or self.runtime.max_context, params, [], rule=rule,
-                                         seq_id=seq_id)
-        spec.start(prefix)
-        try:
-            self.sequences.add(seq_id, spec)
-        except BaseException:
-            spec.release()
-            raise
+        """Open a sequence and put its prompt in: admitted if the KV it may reach (prompt plus
+        ``max_tokens``, default up to the context, plus a tree) fits the budget."""
+        self._run_one(("start", seq_id, (prefix, params, max_tokens, rule)))
 
     def step(self, seq_id, tree: TokenTree) -> tuple[list[int], int]:
         """Verify ``tree`` (with the sampling and rule the sequence started with) and commit the
         accepted path; its tokens, root first, and the LLM's bonus token."""
-        return self.sequences.get(seq_id).verify(tree)
+        return self._run_one(("step", seq_id, tree))
+
+    def _run_one(self, work):
+        result = self._run_batch([work])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _run_batch(self, works: list[tuple]) -> list:
+        """Each (op, sequence id, what) as one batch: a start's result None, a step's (path, bonus),
+        or the exception that failed it (the others go on)."""
+        results: list = [None] * len(works)
+        jobs, seen = {}, set()
+        for i, (op, seq_id, what) in enumerate(works):
+            try:
+                if seq_id in seen:
+                    raise RequestError(f"sequence {seq_id!r} twice in one batch")
+                seen.add(seq_id)
+                if op == "start":
+                    if seq_id in self.sequences.items:
+                        raise SpecInferError(f"sequence {seq_id!r} is already open")
+                    prefix, params, max_tokens, rule = what
+                    spec = self.scheduler.speculator(max_tokens or self.runtime.max_context, params, [], rule=rule,
+                                                     seq_id=seq_id)
+                    jobs[i] = spec.open(prefix)
+                else:
+                    jobs[i] = self.sequences.get(seq_id).verify_job(what)
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                results[i] = e
+        self.scheduler.run_now(list(jobs.values()))
+        for i, job in jobs.items():
+            op, seq_id, _ = works[i]
+            if job.error is not None:
+                results[i] = job.error
+                if op == "start":
+                    job.spec.release()
+            elif op == "start":
+                self.sequences.add(seq_id, job.spec)
+            else:
+                results[i] = job.result
+        return results
+
+    def handle_batch(self, requests: list[Tensors]) -> list[Tensors | Exception]:
+        """Requests of the ``llm`` model (op start: prefill; step: verify + commit; release), run
+        as one batch; each one's outputs, or the exception that failed it."""
+        works, answers = [], [None] * len(requests)
+        for i, t in enumerate(requests):
+            try:
+                op, seq = _op_and_sequence(t, self.key)
+                if op == "release":
+                    self.release(seq)
+                    answers[i] = self._answer([], -1, 0)
+                elif op == "start":
+                    works.append((i, ("start", seq, (_ids(t, "tokens"), sampling_from(t),
+                                                     scalar(t, "max_tokens", "i", 0) or None, verification_rule(t)))))
+                else:
+                    works.append((i, ("step", seq, tensors_to_tree(t))))
+            except Exception as e:  # noqa: BLE001
+                answers[i] = e
+        for (i, (op, _, what)), result in zip(works, self._run_batch([w for _, w in works])):
+            if isinstance(result, BaseException):
+                answers[i] = result
+            elif op == "start":
+                answers[i] = self._answer([], -1, 0)
+            else:
+                path, bonus = result
+                answers[i] = self._answer(path, bonus, len(what) - 1)
+        return answers
 
     def handle(self, t: Tensors) -> Tensors:
-        """One request of the ``llm`` model: op start (prefill), step (verify + commit) or release."""
-        op, seq = _op_and_sequence(t, self.key)
-        path, bonus, drafted = [], -1, 0
-        if op == "start":
-            self.start(seq, _ids(t, "tokens"), sampling_from(t), scalar(t, "max_tokens", "i", 0) or None,
-                       verification_rule(t))
-        elif op == "release":
-            self.release(seq)
-        else:
-            tree = tensors_to_tree(t)
-            path, bonus = self.step(seq, tree)
-            drafted = len(tree) - 1
+        """One request of the ``llm`` model (see :meth:`handle_batch`)."""
+        answer = self.handle_batch([t])[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _answer(self, path: list[int], bonus: int, drafted: int) -> Tensors:
         return {"accepted_tokens": np.asarray(path, dtype=np.int64), "bonus": np.array([bonus], dtype=np.int64),
                 "draft_tokens": np.array([drafted], dtype=np.int32),
                 "tree_budget": np.array([self.scheduler.tree_share()], dtype=np.int32)}

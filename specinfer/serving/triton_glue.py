@@ -130,15 +130,10 @@ class Metrics:
         self.kv_bytes.set(model.kv_bytes())
 
 
-def timed(fn: Callable[[], Tensors], metric, lock: threading.Lock | None = None) -> Tensors:
-    """``fn()``, its seconds observed in ``metric`` (under ``lock``, where threads share it)."""
+def timed(fn: Callable[[], Tensors], metric) -> Tensors:
     start = time.perf_counter()
     out = fn()
-    if lock is None:
-        metric.observe(time.perf_counter() - start)
-    else:
-        with lock:
-            metric.observe(time.perf_counter() - start)
+    metric.observe(time.perf_counter() - start)
     return out
 
 
@@ -163,9 +158,7 @@ def stopping() -> bool:
 def reclaim_idle(model, lock: threading.Lock, idle_seconds: float, metrics: "Metrics") -> threading.Thread:
     """Start a thread that releases the sequences of ``model`` idle for more than ``idle_seconds``
     (their orchestrator died or lost them), counted in ``specinfer_reclaimed_sequences_total``.
-    ``lock`` is held while it releases and updates the metrics: the one ``execute`` holds (the ssm
-    models: a release never runs beside a step), or the metrics' own (llm: its scheduler keeps a
-    release from running beside a batch)."""
+    ``lock`` is the one ``execute`` holds, so a release never runs beside a step."""
     def loop():
         while True:
             time.sleep(max(1.0, idle_seconds / 4))
