@@ -150,13 +150,6 @@ class Scheduler:
         """Sequences per batch so far (starts and steps)."""
         return self.batched_sequences / self.batches if self.batches else 0.0
 
-    def tree_share(self, stepping: int = 0) -> int:
-        """Tree nodes (root included) a request may verify in a batch where ``stepping`` requests
-        step: its whole budget alone, else a share of ``batch_tree_tokens``. Shared by the requests
-        running, not only those in the batch: the others come next batch."""
-        running = max(stepping, len(self.running))
-        return max(MIN_TREE, self.batch_tree_tokens // running) if running > 1 else DEFAULT_BUDGET
-
     def kv_bytes(self) -> int:
         """Bytes the sequences' KV buffers hold now (every model of this scheduler)."""
         return sum(rt.kv_bytes() for rt in [self.llm] + self.ssms)
@@ -255,7 +248,9 @@ class Scheduler:
         starts = [j for j in jobs if j.prefix is not None]
         self.batches += 1
         self.batched_sequences += len(jobs)
-        share = self.tree_share(len(steps))
+        # Shared by the requests running, not only those in this batch: the others come next batch.
+        running = max(len(steps), len(self.running))
+        share = max(MIN_TREE, self.batch_tree_tokens // running if running > 1 else DEFAULT_BUDGET)
         t0 = time.perf_counter()
         trees = {}
         for job in steps:

@@ -9,9 +9,9 @@ import pytest
 
 from conftest import TINY_VOCAB, chi_square_p
 from specinfer.engines.onnxruntime import OrtRuntime
-from specinfer.errors import SpecInferError
+from specinfer.errors import ServerBusy, SpecInferError
 from specinfer import generate
-from specinfer.generate import Stats, decode, generate_ids
+from specinfer.generate import DEFAULT_BUDGET, Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
                                tensors_to_tree, tree_to_tensors)
@@ -218,6 +218,22 @@ def test_concurrent_sequences_do_not_see_each_other(models):
     for t in threads:
         t.join()
     assert results == alone
+
+
+def test_the_llm_model_keeps_kv_under_its_budget(served_pair):
+    """A start the KV budget cannot hold is refused at once (a batch cannot wait for a release), with
+    a clear error; after a release it fits."""
+    llm = OrtRuntime(served_pair["llm"])
+    one = (3 + 1 + 20 + DEFAULT_BUDGET) * llm.kv_bytes_per_token    # a 4-token prompt and max_tokens 20
+    model = VerifyModel(llm, kv_budget=int(1.5 * one))
+    model.start("first", [1, 2, 3], SamplingParams(), max_tokens=20)
+    with pytest.raises(ServerBusy, match="busy"):
+        model.start("second", [1, 2, 3], SamplingParams(), max_tokens=20)
+    assert list(model.sequences.items) == ["first"] and llm.sequences() == ["first"]
+    model.release("first")
+    model.start("second", [1, 2, 3], SamplingParams(), max_tokens=20)
+    model.release("second")
+    assert model.scheduler.reserved == 0 and llm.sequences() == []
 
 
 def test_the_llm_model_verifies_a_batch_of_requests_in_one_call(served_pair, monkeypatch):

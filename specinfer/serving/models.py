@@ -24,7 +24,7 @@ from ..errors import RequestError, SpecInferError
 from ..generate import DEFAULT_BUDGET, SSM_MIN_BUDGET
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
-from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, Scheduler
+from ..scheduler import PREFILL_CHUNK_TOKENS, Scheduler
 from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
 from ..tree import Proposal, TokenTree, merge
 from ..tree_sizing import StepCost, TreeSizer, acceptance
@@ -272,14 +272,17 @@ class VerifyModel(_SequenceModel):
     :class:`~specinfer.scheduler.Scheduler`: one LLM call scores every step's tree and every new
     prompt, and the sequences' KV stays under ``kv_budget`` bytes (None: half the memory available
     now). A start that does not fit is refused at once (the batch cannot wait for memory that only
-    a later request's release frees). Every answer carries ``tree_budget``, the scheduler's tree
-    share for the sequence's next step (drafts shrink as more requests run, as in the fused engine)."""
+    a later request's release frees).
+
+    The trees are not cut to a share of the batch here, as the fused engine's are: behind the
+    ensemble a step's hops (the drafters, tree_builder, the orchestrator) cost more than the
+    verified tokens, and larger trees save hops (README, "Serving many requests")."""
 
     def __init__(self, runtime: Runtime, key: str | None = None, *, kv_budget: int | None = None,
-                 batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS):
+                 prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS):
         self.runtime, self.key = runtime, key
-        self.scheduler = Scheduler(runtime, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens,
-                                   prefill_chunk_tokens=prefill_chunk_tokens, max_waiting=0)
+        self.scheduler = Scheduler(runtime, kv_budget=kv_budget, prefill_chunk_tokens=prefill_chunk_tokens,
+                                   max_waiting=0)
         self.sequences = _Sequences()
 
     def start(self, seq_id, prefix: list[int], params: SamplingParams, max_tokens: int | None = None,
@@ -369,8 +372,7 @@ class VerifyModel(_SequenceModel):
 
     def _answer(self, path: list[int], bonus: int, drafted: int) -> Tensors:
         return {"accepted_tokens": np.asarray(path, dtype=np.int64), "bonus": np.array([bonus], dtype=np.int64),
-                "draft_tokens": np.array([drafted], dtype=np.int32),
-                "tree_budget": np.array([self.scheduler.tree_share()], dtype=np.int32)}
+                "draft_tokens": np.array([drafted], dtype=np.int32)}
 
     def release(self, seq_id) -> bool:
         spec = self.sequences.pop(seq_id)

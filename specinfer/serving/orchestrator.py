@@ -32,7 +32,6 @@ class RemoteSpeculator:
         """``max_tokens``: the request's, which sizes the KV the ``llm`` model reserves for it."""
         self.call, self.ssm_names, self.seq_id, self.key, self.rule = call, ssm_names, seq_id, key, rule
         self.max_tokens = max_tokens
-        self.tree_budget = DEFAULT_BUDGET   # the llm model's tree share for the next step
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
         self.last_path: list[int] = []
@@ -55,18 +54,10 @@ class RemoteSpeculator:
         if self.max_tokens is not None:
             llm["max_tokens"] = np.array([self.max_tokens], dtype=np.int32)
         for name in ["llm"] + self.ssm_names:
-            out = self.call(name, llm if name == "llm" else inputs)
+            self.call(name, llm if name == "llm" else inputs)
             self.started.append(name)
-            if name == "llm":
-                self._read_tree_budget(out)
-
-    def _read_tree_budget(self, out: Tensors) -> None:
-        if out.get("tree_budget") is not None:
-            self.tree_budget = int(np.asarray(out["tree_budget"]).reshape(-1)[0])
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
-        # The trees shrink as more requests run: the llm model's scheduler says by how much.
-        budget = min(budget, self.tree_budget)
         inputs = self._common("step") | {"tokens": np.asarray(self.last_path, dtype=np.int64),
                                          "root": np.array([root], dtype=np.int64),
                                          "budget": np.array([budget], dtype=np.int32)}
@@ -77,7 +68,6 @@ class RemoteSpeculator:
         self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])
         self.stats.accepted_draft_tokens += len(path) - 1
         self.last_path = path
-        self._read_tree_budget(out)
         return path, int(np.asarray(out["bonus"]).reshape(-1)[0])
 
     def release(self) -> None:

@@ -29,7 +29,6 @@ class TritonPythonModel:
         p = glue.parameters(args)
         self.model = VerifyModel(load_runtime(p["model_dir"], p["engine"], threads=int(p["threads"]) or None),
                                  key=glue.caller_key(args), kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
-                                 batch_tree_tokens=int(p["batch_tree_tokens"]),
                                  prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
         self.metrics = glue.Metrics(pb, args["model_name"])
         self.lock = threading.Lock()
