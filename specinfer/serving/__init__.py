@@ -4,7 +4,8 @@
   (:func:`read_request`), the limits a request may ask for.
 - :mod:`.models`: what each stateful model of the repository does, as plain Python over numpy
   arrays: ``ssm_<i>``/``lookup`` draft (:class:`DraftModel`, :class:`LookupModel`), ``llm`` verifies
-  (:class:`VerifyModel`), each keeping one sequence per request; ``tree_builder`` merges the drafts
+  (:class:`VerifyModel`, many requests' steps in one LLM call), each keeping one sequence per request;
+  ``tree_builder`` merges the drafts
   (:func:`build_tree`); trees travel as tensors (:func:`tree_to_tensors`).
 - :mod:`.orchestrator`: the client-facing model (:class:`Orchestrator`, text in and out) and its
   speculation loop over the other models (:class:`RemoteSpeculator`, :func:`run_request`).

@@ -133,7 +133,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
                lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
-               prefill_chunk_tokens=prefill_chunk_tokens, **common)
+               batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens, **common)
     (out / "specinfer_repository.json").write_text(json.dumps(
         {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine, "lookup": lookup},
         indent=2))
