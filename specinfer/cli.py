@@ -322,8 +322,8 @@ def _add_batching(p, tree_tokens: int | None) -> None:
                    help="KV cache memory the batched requests may hold, e.g. 2GiB (default: half the memory "
                         "available when the server loads); a request that does not fit waits or is refused")
     p.add_argument("--batch-tree-tokens", type=_positive_int, default=tree_tokens,
-                   help=f"tree nodes the trees of one batch share (a request alone: its whole --budget; "
-                        f"default {BATCH_TREE_TOKENS})")
+                   help=f"tree nodes the trees of one batch share in ensemble_fused (a request alone: its "
+                        f"whole --budget; default {BATCH_TREE_TOKENS}); ensemble keeps whole trees")
     p.add_argument("--prefill-chunk-tokens", type=_positive_int, default=None,
                    help=f"prompt tokens a batch takes while other requests step: a longer prompt goes in by "
                         f"chunks, so that it does not hold their next tokens (default {PREFILL_CHUNK_TOKENS})")

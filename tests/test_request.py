@@ -212,11 +212,12 @@ class Response:
 def fake_pb(answer: Response | None = None):
     """A stand-in for triton_python_backend_utils: responses, errors, a logger, BLS answering ``answer``."""
     logged: list[str] = []
+    sent: list[dict] = []   # the BLS requests' arguments
     return SimpleNamespace(
-        TritonError=TritonError, Tensor=Tensor, InferenceResponse=Response, logged=logged,
+        TritonError=TritonError, Tensor=Tensor, InferenceResponse=Response, logged=logged, sent=sent,
         Logger=SimpleNamespace(log_error=logged.append),
         get_input_tensor_by_name=lambda request, name: request.get(name),
-        InferenceRequest=lambda **kwargs: SimpleNamespace(exec=lambda: answer))
+        InferenceRequest=lambda **kwargs: sent.append(kwargs) or SimpleNamespace(exec=lambda: answer))
 
 
 def test_a_client_mistake_is_invalid_arg_with_its_message():
@@ -268,6 +269,14 @@ def test_bls_keeps_the_category_of_an_internal_models_error(code, error_class):
                                                        else TritonError.INTERNAL)
 
 
-def test_bls_returns_the_outputs():
-    pb = fake_pb(Response([Tensor("bonus", one(3, np.int64))]))
+def test_bls_sends_and_reads_batches_of_one():
+    """The inner models batch (max_batch_size >= 1): a BLS request is a batch of one."""
+    pb = fake_pb(Response([Tensor("bonus", np.array([[3]], np.int64))]))
     assert glue.bls(pb, "llm", {"op": text("step")})["bonus"].tolist() == [3]
+    assert [t.as_numpy().shape for t in pb.sent[-1]["inputs"]] == [(1, 1)]
+    request = {"op": Tensor("op", np.array([[b"step"]], object)), "tokens": Tensor("tokens", np.array([[1, 2]], np.int64))}
+    assert {k: v.tolist() for k, v in glue.read(pb, request, ["op", "tokens"], batched=True).items()} == \
+        {"op": [b"step"], "tokens": [1, 2]}
+    with pytest.raises(RequestError, match="'tokens': a request to this model is a batch of one, got shape \\[2, 1\\]"):
+        glue.read(pb, {"tokens": Tensor("tokens", np.array([[1], [2]], np.int64))}, ["tokens"], batched=True)
+    assert glue.response(pb, {"bonus": np.array([3])}, batched=True).tensors[0].as_numpy().shape == (1, 1)

@@ -78,8 +78,9 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime.
     ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
-    ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out (None: half the
-    memory available when it loads); ``batch_tree_tokens``: tree nodes its batch's trees share;
+    ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
+    model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
+    tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
     ``prefill_chunk_tokens``: prompt tokens a batch takes while other requests step."""
     dynamic = parse_tree(tree) is None
     out = Path(out)
