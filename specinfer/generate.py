@@ -32,9 +32,6 @@ from .verify import SAMPLING_RULES, verify
 
 SPECINFER_TREE = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's expansion config
 DEFAULT_BUDGET = 64                      # tree nodes, root included
-# An SSM drafts only into a tree with room for two draft nodes: its call costs about what a longer
-# draft costs (a batch that shares out few nodes leaves its requests the lookup's free drafts).
-SSM_MIN_BUDGET = 3
 
 
 @dataclass
@@ -169,8 +166,7 @@ class LocalSpeculator:
         for d in self.drafters:
             if self.last_path:
                 d.commit(self.last_path)  # the SSMs learn last step's verdict before they draft
-            if budget >= SSM_MIN_BUDGET:
-                trees.append(d.draft(root, self.tree, self.params, self.rng, budget, lead))
+            trees.append(d.draft(root, self.tree, self.params, self.rng, budget, lead))
         self.last_path = []
         self._draft_seconds = time.perf_counter() - t0
         self.stats.ssm_seconds += self._draft_seconds

@@ -43,7 +43,7 @@ from .tree import TokenTree
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
 # verifies fastest with no draft at all (measured in-process, embedded models, 16 streams: 808
 # tokens/s incremental, 784 with lookup drafts, 649 with SSM drafts of 4 nodes), so the share falls
-# to 1 (an incremental step) from 16 requests, and SSMs stop drafting from 8 (SSM_MIN_BUDGET).
+# to 1 (an incremental step) from 16 requests, and SSMs stop drafting from 8 (speculate.SSM_MIN_BUDGET).
 BATCH_TREE_TOKENS = 16
 MIN_TREE = 1               # a batch may leave a request no draft at all (an incremental step)
 # Prompt tokens a batch takes while other requests step (chunked prefill): a long prompt goes in a

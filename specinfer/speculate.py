@@ -35,6 +35,9 @@ def parse_widths(spec: str) -> list[int]:
 DYNAMIC = "dynamic"   # the tree spec of the dynamic tree (tree_sizing.py)
 NONE = "none"         # the tree spec of no speculation: incremental decoding
 DYNAMIC_DEPTH = 8     # the most tokens an SSM drafts for it: one call of the exported drafter
+# An SSM drafts only into a tree with room for two draft nodes: its call costs about what a longer
+# draft costs (a batch that shares out few nodes leaves its requests the lookup's free drafts).
+SSM_MIN_BUDGET = 3
 
 
 def parse_tree(spec: "str | Sequence[int] | None") -> list[int] | None:
@@ -139,7 +142,8 @@ class SSMDrafter:
 
         The first Runtime call scores ``self.catch_up + [root]``, each later depth one more call.
         The tree has at most ``budget`` nodes (root included) and never outgrows the runtime's
-        capacity: it shrinks rather than fails. Proposals carry this SSM's ``index``. ``lead``
+        capacity: it shrinks rather than fails; under ``SSM_MIN_BUDGET`` it is the root alone, with
+        no call. Proposals carry this SSM's ``index``. ``lead``
         (dynamic tree): the expected speedup of the step's drafts that cost no model call; the
         SSM drafts only if its own drafts have been expected to do better.
         """
@@ -148,6 +152,8 @@ class SSMDrafter:
         chain = self.catch_up + [int(root)]
         tree = TokenTree(root)
         self._tree, self._slot, self._proposed = tree, {}, []
+        if budget < SSM_MIN_BUDGET:
+            return tree   # no draft worth the call: no call now, the tokens wait as catch-up
         free = self.runtime.capacity(self.seq) - self.runtime.length(self.seq)
         if len(chain) > free:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up

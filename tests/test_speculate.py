@@ -6,7 +6,7 @@ from conftest import make_checkpoint
 from specinfer.engines.torch_runtime import TorchRuntime
 from specinfer.errors import SpecInferError
 from specinfer.sampling import SamplingParams
-from specinfer.speculate import SSMDrafter, check_vocab, parse_tree, parse_widths, sample_without_replacement
+from specinfer.speculate import SSM_MIN_BUDGET, SSMDrafter, check_vocab, parse_tree, parse_widths, sample_without_replacement
 
 TOL = 1e-4
 PROMPT = [1, 40, 41, 42, 43, 44]
@@ -135,6 +135,19 @@ def test_budget_is_honoured(drafter):
     drafter.commit([PROMPT[-1]])
     tree = drafter.draft(tree.tokens[1], [4, 4], GREEDY, np.random.default_rng(0), budget=1)
     assert len(tree) == 1
+
+
+def test_a_budget_with_room_for_one_draft_node_makes_no_call(drafter):
+    """Under SSM_MIN_BUDGET an SSM call costs about what a longer draft does: no call, and the
+    tokens wait as the next draft's catch-up."""
+    rt = drafter.runtime
+    rt.calls.clear()
+    assert len(drafter.draft(PROMPT[-1], [1, 1], GREEDY, np.random.default_rng(0), budget=SSM_MIN_BUDGET - 1)) == 1
+    assert rt.calls == [] and not drafter.drafted
+    drafter.commit([PROMPT[-1]])
+    assert drafter.catch_up == [PROMPT[-1]]
+    tree = drafter.draft(7, [1, 1], GREEDY, np.random.default_rng(0), budget=SSM_MIN_BUDGET)
+    assert len(tree) == SSM_MIN_BUDGET and rt.calls[0][0] == [PROMPT[-1], 7]   # catch-up + root in one call
 
 
 def test_capacity_shrinks_the_tree(ssm_dir):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..engines.runtime import Runtime
 from ..errors import RequestError, SpecInferError
-from ..generate import DEFAULT_BUDGET, SSM_MIN_BUDGET
+from ..generate import DEFAULT_BUDGET
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
 from ..scheduler import PREFILL_CHUNK_TOKENS, Scheduler
@@ -206,10 +206,8 @@ class DraftModel(_SequenceModel):
             drafter.commit(accepted)
         drafter.sizer = self.sizer if widths is None else None
         budget = budget if widths != [] else 1    # tree "none": incremental decoding
-        # Without room for a draft worth its call, no draft: the next commit keeps the root as catch-up.
         start = time.perf_counter()
-        draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget) \
-            if budget >= SSM_MIN_BUDGET else TokenTree(root)
+        draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget)
         if drafter.sizer is not None and drafter.drafted:
             drafter.sizer.observe(time.perf_counter() - start)
         return tree_to_tensors(draft, self.vocab_size)
