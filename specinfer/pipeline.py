@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 from .engines.loader import load_runtime
 from .generate import DEFAULT_BUDGET, Stats, decode
-from .scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, Scheduler
+from .scheduler import BATCH_TREE_TOKENS, IDLE_SECONDS, PREFILL_CHUNK_TOKENS, Scheduler
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, parse_tree
 from .text import TextStream, load_tokenizer
@@ -25,7 +25,7 @@ class Pipeline:
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
                  threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
                  kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
         verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
@@ -33,7 +33,8 @@ class Pipeline:
         Streams may run from many threads at once: their steps are batched (scheduler.py), under
         ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
         ``batch_tree_tokens`` nodes per batch, and long prompts going in by chunks of
-        ``prefill_chunk_tokens`` while other streams step."""
+        ``prefill_chunk_tokens`` while other streams step. After ``idle_seconds`` with no stream
+        running, the memory kept for batches is given back (None: kept)."""
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.tree = parse_tree(tree)
@@ -42,7 +43,7 @@ class Pipeline:
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
         self.eos_ids = self.llm.config.eos_token_ids
         self.scheduler = Scheduler(self.llm, self.ssms, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens,
-                                   prefill_chunk_tokens=prefill_chunk_tokens)
+                                   prefill_chunk_tokens=prefill_chunk_tokens, idle_seconds=idle_seconds)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

@@ -61,6 +61,23 @@ def test_greedy_under_batching_is_each_request_alone(models, tree):
     assert all(rt.sequences() == [] for rt in [llm] + ssms)   # every sequence freed
 
 
+def test_an_idle_scheduler_gives_the_batches_memory_back_and_batches_again_exactly(models, served_pair):
+    llm = OrtRuntime(served_pair["llm"])   # its own: no other test's scheduler trims it meanwhile
+    ssms = models[1]
+    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01, idle_seconds=0.5)
+    want = [alone(llm, p, 24) for p in PROMPTS[:4]]
+    session = llm.session
+    assert run_together(scheduler, PROMPTS[:4], 24) == want
+    assert max(llm.batch_sessions) > 1          # sequences ran together, on a batched session
+    deadline = time.monotonic() + 20
+    while scheduler.trims == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.trims == 1 and llm.batch_sessions == []
+    assert llm.session is not session           # a new one, without the old one's arena
+    assert run_together(scheduler, PROMPTS[:4], 24) == want   # the sessions are made again
+    assert llm.batch_sessions
+
+
 def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
     """With a seed, a sampled request gives what it gives alone (its own random stream), batched,
     as long as its trees are the same (a batch that shares out fewer nodes draws other trees)."""

@@ -129,7 +129,8 @@ class OrtRuntime(Runtime):
     embedded LLM) but keeps a sequence's logits bit for bit what it gets alone (MLAS's prepacked
     GEMM computes a row the same way whatever the other rows; unpacked, logits differed by 1e-5,
     enough to flip a near tie under greedy decoding); and unpacked, a run repacks every weight,
-    which doubled a batch of 4 trees of 4 (11.1 ms against 6.2)."""
+    which doubled a batch of 4 trees of 4 (11.1 ms against 6.2). :meth:`trim` drops them (the
+    scheduler does, once idle)."""
 
     slot_axis = 3               # kv[layer, K|V, kv_head, slot, head_dim]
     initial_slots = 64          # a sequence's buffer doubles from here as it grows
@@ -158,9 +159,9 @@ class OrtRuntime(Runtime):
         self._draft_onnx = self.manifest.get("draft_onnx")
         self.draft_depth = self.manifest.get("draft_depth", 1) if self._draft_onnx else 1
         self._draft_session = None   # opened at the first draft: a target LLM never drafts
-        self._batched: dict[int, object] = {}   # batch size -> its session
+        # batch size -> its session, its binding and the cache each slot has bound (made on first use)
+        self._batched: dict[int, tuple[object, _Binding, dict]] = {}
         self._scratch: SequenceState | None = None   # the spare slots' cache
-        self._batch_bindings: dict[int, tuple] = {}   # per batched session: its binding, each slot's cache
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
@@ -262,12 +263,10 @@ class OrtRuntime(Runtime):
             return [out for i in range(0, len(calls), step)
                     for out in self._run_batch(calls[i:i + step], last_only[i:i + step])]
         n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
-        if self._scratch is None:
-            self._scratch = SequenceState(self._allocate(1), 1, 1)
-        spare = (self._scratch, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool))
+        scratch = self._scratch = self._scratch or SequenceState(self._allocate(1), 1, 1)
+        spare = (scratch, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool))
         calls = list(calls) + [spare] * (size - len(calls))
-        session = self._batch_session(size)
-        binding = self._bind_batch(session, [seq for seq, *_ in calls])
+        session, binding = self._bind_batch(size, [seq for seq, *_ in calls])
         sizes = [len(tokens) for _, tokens, _, _ in calls]
         binding.feed("input_ids", np.concatenate([tokens for _, tokens, _, _ in calls])[None])
         binding.feed("position_ids", np.concatenate([positions for _, _, positions, _ in calls])[None])
@@ -281,13 +280,19 @@ class OrtRuntime(Runtime):
         logits = binding.run(session, (1, sum(map(len, rows)), self.config.vocab_size))
         return np.split(logits[0], np.cumsum([len(r) for r in rows])[:-1])
 
-    def _bind_batch(self, session, seqs: list[SequenceState]):
-        """The batched session's binding with each sequence's cache as its slot's past and present.
-        One binding per session, kept: only the slots whose cache is another buffer than last time
-        are bound again (binding a slot's 2 x layers buffers costs ~0.3 ms)."""
-        from ..export.ort_lowering import slot_names
+    def _bind_batch(self, size: int, seqs: list[SequenceState]):
+        """The session for batches of ``size`` and its binding, with each sequence's cache as its
+        slot's past and present. One binding per session, kept: only the slots whose cache is
+        another buffer than last time are bound again (binding a slot's 2 x layers buffers costs
+        ~0.3 ms)."""
+        from ..export.ort_lowering import batch_sequences, slot_names
 
-        binding, bound = self._batch_bindings.setdefault(id(session), (_Binding(session.io_binding()), {}))
+        entry = self._batched.get(size)   # (read once: a trim may clear the dict meanwhile)
+        if entry is None:
+            session = open_session(batch_sequences(self._lowered, size).SerializeToString(), self.threads,
+                                   weights_dir=self.dir)
+            entry = self._batched[size] = (session, _Binding(session.io_binding()), {})
+        session, binding, bound = entry
         for slot, seq in enumerate(seqs):
             key = (seq.kv.ctypes.data, seq.kv.shape)
             if bound.get(slot) == key:
@@ -299,15 +304,24 @@ class OrtRuntime(Runtime):
                 binding.io.bind_input(past, "cpu", 0, np.float32, shape, address)
                 binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
             bound[slot] = key
-        return binding
+        return session, binding
 
-    def _batch_session(self, size: int):
-        if size not in self._batched:
-            from ..export.ort_lowering import batch_sequences
+    @property
+    def batch_sessions(self) -> list[int]:
+        """The batch sizes that have a session now."""
+        return sorted(self._batched)
 
-            self._batched[size] = open_session(batch_sequences(self._lowered, size).SerializeToString(), self.threads,
-                                               weights_dir=self.dir)
-        return self._batched[size]
+    def trim(self) -> None:
+        """Drop the batched sessions (each holds a prepacked copy of the weights: 48 MB for the
+        embedded LLM) and the spare slots' cache; the next batch of a size opens its session again
+        (~0.1 s). With no sequence open, open the single-sequence session again and drop the
+        drafter's: a session's memory arena keeps the most its largest run needed (measured: the
+        embedded LLM's held ~200 MB more after 16 streams of the embedded prompts)."""
+        self._batched.clear()
+        self._scratch = None
+        if not self._sequences:   # (a sequence's bindings hold the session they were made with)
+            self.session = open_session(self._lowered.SerializeToString(), self.threads, weights_dir=self.dir)
+            self._draft_session = None
 
 
 # Batch sizes with a session of their own (a batch runs on the smallest that holds it; a larger

@@ -124,6 +124,11 @@ class Runtime(abc.ABC):
     def sequences(self) -> list[Hashable]:
         return list(self._sequences)
 
+    def trim(self) -> None:
+        """Drop what the engine keeps for later batches (sessions, scratch buffers), to make again
+        on next use: an idle server calls it so that its memory goes back to what it was at load.
+        Nothing by default."""
+
     def length(self, seq_id: Hashable) -> int:
         """Committed tokens of a sequence."""
         return self._get(seq_id).length
