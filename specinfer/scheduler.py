@@ -339,7 +339,10 @@ class Scheduler:
             if not job.done.is_set() and job.prefilled == len(job.prefix):
                 job.finish()
         self.seconds["verify"] += time.perf_counter() - started - seconds
-        self._last_active, self._trimmed = time.monotonic(), False
+        with self._lock:
+            self._last_active, self._trimmed = time.monotonic(), False
+            if not self.running:   # its last request left during the batch: the idle period starts now
+                self._lock.notify_all()
         return unfinished
 
     def _prefill_chunks(self, starts: list[_Job], chunked: bool) -> dict[int, list[int]]:
