@@ -208,6 +208,35 @@ def test_one_call_draft_is_the_token_by_token_draft(exported):
     assert np.abs(l1 - l2).max() < TOL
 
 
+def test_a_trim_keeps_open_sequences_exact_and_gives_new_ones_new_sessions(exported):
+    """trim (the idle scheduler's) drops the batched sessions and reopens the single-sequence one,
+    also while sequences are open (another scheduler's, a direct caller's): those go on with the
+    sessions they were bound to, and every score, batch and draft is bit for bit what it is with
+    no trim."""
+    def run(trim: bool) -> list:
+        rt = OrtRuntime(exported["llama3"])
+        before, during = rt.start(), rt.start()
+        for seq in (before, during):
+            rt.prefill(seq, PROMPT)
+        rt.score_batch([(before, [7, 8], None), (during, [7, 8], None)])   # a batched session, and bindings
+        session = rt.session
+        if trim:
+            rt.trim()
+            assert rt.batch_sessions == [] and rt.session is not session
+        after = rt.start()
+        rt.prefill(after, PROMPT)
+        rt.score(after, [7, 8])
+        tree = ([5, 6, 9], [-1, 0, 0])
+        out = [rt.score(seq, *tree) for seq in (before, after)]          # (with a trim: the old session, the new)
+        out += rt.score_batch([(seq, *tree) for seq in (during, after)])
+        for seq in (before, after):
+            rt.commit(seq, [0, 1])                                      # 7, 8
+        return out + [np.array(rt.draft_chain(seq, [3], rt.draft_depth)) for seq in (before, after)]
+
+    kept, trimmed = run(False), run(True)
+    assert all(np.array_equal(a, b) for a, b in zip(kept, trimmed, strict=True))
+
+
 def test_draft_chain_continues_only_a_chain(exported):
     rt = OrtRuntime(exported["llama3"])
     seq = rt.start()

@@ -168,18 +168,18 @@ class OrtRuntime(Runtime):
         head_dim = self.manifest.get("ort_head_dim", c.head_dim)   # padded to a multiple of 16
         return np.zeros((c.num_layers, 2, c.num_kv_heads, capacity, head_dim), dtype=np.float32)
 
-    def _bind_cache(self, session, seq: SequenceState, presents: list[list[str]]):
+    def _bind_cache(self, session, seq: SequenceState, presents: list[list[str]]) -> "_Binding":
         """A binding of ``session`` with the sequence's cache bound as its past and as every one of
         ``presents`` (per layer, its key and value output names): made once per sequence."""
-        binding = session.io_binding()
+        binding = _Binding(session)
         kv = seq.kv
         shape = (1,) + kv.shape[2:]
         for layer, (pk, pv, *_) in enumerate(self._kv_names):
             for kind, past in ((0, pk), (1, pv)):
                 address = kv[layer, kind].ctypes.data
-                binding.bind_input(past, "cpu", 0, np.float32, shape, address)
+                binding.io.bind_input(past, "cpu", 0, np.float32, shape, address)
                 for present in presents[layer][kind::2]:
-                    binding.bind_output(present, "cpu", 0, np.float32, shape, address)
+                    binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
         return binding
 
     def draft_chain(self, seq_id, tokens, depth: int) -> ChainDraft:
@@ -197,11 +197,10 @@ class OrtRuntime(Runtime):
         if "draft" not in seq.bindings:
             from ..export.ort_lowering import drafter_present_names
 
-            if self._draft_session is None:
-                self._draft_session = open_session(self.dir / self._draft_onnx, self.threads)
+            session = self._draft_session = self._draft_session or open_session(self.dir / self._draft_onnx, self.threads)
             steps = drafter_present_names(self.config.num_layers, d)
             per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
-            seq.bindings["draft"] = _Binding(self._bind_cache(self._draft_session, seq, per_layer))
+            seq.bindings["draft"] = self._bind_cache(session, seq, per_layer)
         binding = seq.bindings["draft"]
         end = seq.length + m + c      # every new token sees all slots before its own: the prefix and the chain
         binding.feed("input_ids", tokens[None])
@@ -209,7 +208,7 @@ class OrtRuntime(Runtime):
         binding.feed("total_sequence_length", np.array(end, dtype=np.int32), fresh=True)
         drafted, top, mass = binding.outputs_of((("draft_tokens", (1, d, 2), np.int64), ("draft_logits", (1, d, 2), np.float32),
                                                  ("draft_mass", (1, d, 1), np.float32)))
-        self._draft_session.run_with_iobinding(binding.io)
+        binding.session.run_with_iobinding(binding.io)
         n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
         seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
         drafted, top, mass = drafted[0, :depth], top[0, :depth], mass[0, :depth]   # read before the next run
@@ -220,7 +219,7 @@ class OrtRuntime(Runtime):
     def _forward(self, seq: SequenceState, tokens, positions, visible, last_only: bool = False) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
         if "score" not in seq.bindings:
-            seq.bindings["score"] = _Binding(self._bind_cache(self.session, seq, [names[2:] for names in self._kv_names]))
+            seq.bindings["score"] = self._bind_cache(self.session, seq, [names[2:] for names in self._kv_names])
         binding = seq.bindings["score"]
         if _numbered_by_the_kernel(start, positions):
             # A tree there goes in as its first node, then the rest.
@@ -235,7 +234,7 @@ class OrtRuntime(Runtime):
         binding.feed("position_ids", positions[None])
         binding.feed(LOGIT_ROWS, np.arange(t - 1 if last_only else 0, t, dtype=np.int64), fresh=True)
         _feed_attention(binding, start, tokens, positions, visible)
-        return binding.run(self.session, (1, 1 if last_only else t, self.config.vocab_size))[0]
+        return binding.run((1, 1 if last_only else t, self.config.vocab_size))[0]
 
     def _move(self, seq: SequenceState, src: np.ndarray, dst: np.ndarray) -> None:
         # Advanced indexing gathers every source before it writes: overlapping moves are safe.
@@ -266,7 +265,7 @@ class OrtRuntime(Runtime):
         scratch = self._scratch = self._scratch or SequenceState(self._allocate(1), 1, 1)
         spare = (scratch, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool))
         calls = list(calls) + [spare] * (size - len(calls))
-        session, binding = self._bind_batch(size, [seq for seq, *_ in calls])
+        binding = self._bind_batch(size, [seq for seq, *_ in calls])
         sizes = [len(tokens) for _, tokens, _, _ in calls]
         binding.feed("input_ids", np.concatenate([tokens for _, tokens, _, _ in calls])[None])
         binding.feed("position_ids", np.concatenate([positions for _, _, positions, _ in calls])[None])
@@ -277,11 +276,11 @@ class OrtRuntime(Runtime):
         binding.feed(LOGIT_ROWS, np.concatenate(rows), fresh=True)
         for slot, (seq, tokens, positions, visible) in enumerate(calls):
             _feed_attention(binding, seq.length + seq.pending, tokens, positions, visible, f".{slot}")
-        logits = binding.run(session, (1, sum(map(len, rows)), self.config.vocab_size))
+        logits = binding.run((1, sum(map(len, rows)), self.config.vocab_size))
         return np.split(logits[0], np.cumsum([len(r) for r in rows])[:-1])
 
     def _bind_batch(self, size: int, seqs: list[SequenceState]):
-        """The session for batches of ``size`` and its binding, with each sequence's cache as its
+        """The binding of the session for batches of ``size``, with each sequence's cache as its
         slot's past and present. One binding per session, kept: only the slots whose cache is
         another buffer than last time are bound again (binding a slot's 2 x layers buffers costs
         ~0.3 ms)."""
@@ -291,7 +290,7 @@ class OrtRuntime(Runtime):
         if entry is None:
             session = open_session(batch_sequences(self._lowered, size).SerializeToString(), self.threads,
                                    weights_dir=self.dir)
-            entry = self._batched[size] = (session, _Binding(session.io_binding()), {})
+            entry = self._batched[size] = (session, _Binding(session), {})
         session, binding, bound = entry
         for slot, seq in enumerate(seqs):
             key = (seq.kv.ctypes.data, seq.kv.shape)
@@ -304,7 +303,7 @@ class OrtRuntime(Runtime):
                 binding.io.bind_input(past, "cpu", 0, np.float32, shape, address)
                 binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
             bound[slot] = key
-        return session, binding
+        return binding
 
     @property
     def batch_sessions(self) -> list[int]:
@@ -314,14 +313,14 @@ class OrtRuntime(Runtime):
     def trim(self) -> None:
         """Drop the batched sessions (each holds a prepacked copy of the weights: 48 MB for the
         embedded LLM) and the spare slots' cache; the next batch of a size opens its session again
-        (~0.1 s). With no sequence open, open the single-sequence session again and drop the
-        drafter's: a session's memory arena keeps the most its largest run needed (measured: the
-        embedded LLM's held ~200 MB more after 16 streams of the embedded prompts)."""
+        (~0.1 s). The single-sequence session is opened again and the drafter's dropped: a
+        session's memory arena keeps the most its largest run needed (measured: the embedded LLM's
+        held ~200 MB more after 16 streams of the embedded prompts). A sequence open meanwhile
+        goes on with the sessions it was bound to (its bindings hold them) until it ends."""
         self._batched.clear()
         self._scratch = None
-        if not self._sequences:   # (a sequence's bindings hold the session they were made with)
-            self.session = open_session(self._lowered.SerializeToString(), self.threads, weights_dir=self.dir)
-            self._draft_session = None
+        self.session = open_session(self._lowered.SerializeToString(), self.threads, weights_dir=self.dir)
+        self._draft_session = None
 
 
 # Batch sizes with a session of their own (a batch runs on the smallest that holds it; a larger
@@ -344,8 +343,10 @@ class _Binding:
 
     REUSED_LOGITS_ROWS = 8   # a run of this many tokens or fewer writes into the logits bound last time
 
-    def __init__(self, io):
-        self.io = io
+    def __init__(self, session):
+        # Runs on the session it was made with: a sequence bound before a trim reopened the
+        # runtime's session keeps the old one until it ends.
+        self.session, self.io = session, session.io_binding()
         self.inputs: dict[str, np.ndarray] = {}   # name -> the array bound, the binding's own
         self.logits: np.ndarray | None = None
         self.outputs: dict[str, np.ndarray] = {}
@@ -368,13 +369,13 @@ class _Binding:
                 self.io.bind_output(name, "cpu", 0, array.dtype.type, shape, array.ctypes.data)
         return [self.outputs[name] for name, _, _ in specs]
 
-    def run(self, session, logits_shape: tuple[int, ...]) -> np.ndarray:
-        """Run ``session`` on this binding; returns the logits, an array of the caller's own (a
+    def run(self, logits_shape: tuple[int, ...]) -> np.ndarray:
+        """Run the binding's session; returns the logits, an array of the caller's own (a
         copy of the bound one for a few rows, the bound one itself for many)."""
         if self.logits is None or self.logits.shape != logits_shape:
             self.logits = np.empty(logits_shape, dtype=np.float32)
             self.io.bind_output("logits", "cpu", 0, np.float32, logits_shape, self.logits.ctypes.data)
-        session.run_with_iobinding(self.io)
+        self.session.run_with_iobinding(self.io)
         if logits_shape[1] <= self.REUSED_LOGITS_ROWS:
             return self.logits.copy()
         logits, self.logits = self.logits, None   # the next run binds another
