@@ -236,6 +236,13 @@ class Scheduler:
                 with self._lock:
                     self._jobs[:0] = unfinished
 
+    def _active(self) -> None:
+        """Note activity now (a batch ran, a request left); with no request running, the idle
+        period starts: wake the scheduler's thread to time it. Called under ``_lock``."""
+        self._last_active = time.monotonic()
+        if not self.running:
+            self._lock.notify_all()
+
     def _until_idle(self) -> float | None:
         """Seconds until the models should give their batches' memory back (0: now); None while
         requests run or nothing is kept. Called under ``_lock``."""
@@ -340,9 +347,8 @@ class Scheduler:
                 job.finish()
         self.seconds["verify"] += time.perf_counter() - started - seconds
         with self._lock:
-            self._last_active, self._trimmed = time.monotonic(), False
-            if not self.running:   # its last request left during the batch: the idle period starts now
-                self._lock.notify_all()
+            self._trimmed = False
+            self._active()
         return unfinished
 
     def _prefill_chunks(self, starts: list[_Job], chunked: bool) -> dict[int, list[int]]:
@@ -424,9 +430,7 @@ class BatchedSpeculator:
         s = self.scheduler
         with s._lock:
             s.running.discard(self)
-            if not s.running:   # the idle period starts now (see Scheduler._until_idle)
-                s._last_active = time.monotonic()
-                s._lock.notify_all()
+            s._active()
         if self.local is not None:
             with s._run_lock:   # never free a buffer that a running batch writes
                 self.local.release()

@@ -152,7 +152,7 @@ class OrtRuntime(Runtime):
         self.threads = threads   # None: the process's shared pool
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
-        self.session = open_session(self._lowered.SerializeToString(), threads, weights_dir=self.dir)
+        self.session = self._open(self._lowered)
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
@@ -162,6 +162,11 @@ class OrtRuntime(Runtime):
         # batch size -> its session, its binding and the cache each slot has bound (made on first use)
         self._batched: dict[int, tuple[object, _Binding, dict]] = {}
         self._scratch: SequenceState | None = None   # the spare slots' cache
+
+    def _open(self, graph):
+        """A session of ``graph``, the lowering or a rewrite of it made here (its weights are the
+        export's file)."""
+        return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir)
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
@@ -288,8 +293,7 @@ class OrtRuntime(Runtime):
 
         entry = self._batched.get(size)   # (read once: a trim may clear the dict meanwhile)
         if entry is None:
-            session = open_session(batch_sequences(self._lowered, size).SerializeToString(), self.threads,
-                                   weights_dir=self.dir)
+            session = self._open(batch_sequences(self._lowered, size))
             entry = self._batched[size] = (session, _Binding(session), {})
         session, binding, bound = entry
         for slot, seq in enumerate(seqs):
@@ -319,7 +323,7 @@ class OrtRuntime(Runtime):
         goes on with the sessions it was bound to (its bindings hold them) until it ends."""
         self._batched.clear()
         self._scratch = None
-        self.session = open_session(self._lowered.SerializeToString(), self.threads, weights_dir=self.dir)
+        self.session = self._open(self._lowered)
         self._draft_session = None
 
 
