@@ -75,7 +75,7 @@ def verify_greedy(tree: TokenTree, llm_logits: np.ndarray) -> Verdict:
     """Longest path whose every token is the LLM argmax at its parent; bonus = argmax at its end."""
     path = [0]
     while True:
-        best = int(np.argmax(llm_logits[path[-1]]))
+        best = int(llm_logits[path[-1]].argmax())
         child = tree.child(path[-1], best)
         if child is None:
             return Verdict(path, best)

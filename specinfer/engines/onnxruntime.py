@@ -209,8 +209,8 @@ class OrtRuntime(Runtime):
         binding = seq.bindings["draft"]
         end = seq.length + m + c      # every new token sees all slots before its own: the prefix and the chain
         binding.feed("input_ids", tokens[None])
-        binding.feed("seqlens_k", np.array([end - 1], dtype=np.int32), fresh=True)
-        binding.feed("total_sequence_length", np.array(end, dtype=np.int32), fresh=True)
+        binding.set("seqlens_k", end - 1)
+        binding.set("total_sequence_length", end, ())
         drafted, top, mass = binding.outputs_of((("draft_tokens", (1, d, 2), np.int64), ("draft_logits", (1, d, 2), np.float32),
                                                  ("draft_mass", (1, d, 1), np.float32)))
         binding.session.run_with_iobinding(binding.io)
@@ -237,7 +237,10 @@ class OrtRuntime(Runtime):
         t = len(tokens)
         binding.feed("input_ids", tokens[None])
         binding.feed("position_ids", positions[None])
-        binding.feed(LOGIT_ROWS, np.arange(t - 1 if last_only else 0, t, dtype=np.int64), fresh=True)
+        rows = (t - 1 if last_only else 0, t)
+        if binding.rows != rows:   # the same rows step after step (an incremental step's one)
+            binding.feed(LOGIT_ROWS, np.arange(*rows, dtype=np.int64), fresh=True)
+            binding.rows = rows
         _feed_attention(binding, start, tokens, positions, visible)
         return binding.run((1, 1 if last_only else t, self.config.vocab_size))[0]
 
@@ -354,6 +357,15 @@ class _Binding:
         self.inputs: dict[str, np.ndarray] = {}   # name -> the array bound, the binding's own
         self.logits: np.ndarray | None = None
         self.outputs: dict[str, np.ndarray] = {}
+        self.rows: tuple[int, int] | None = None  # the logit rows bound (single-sequence runs)
+
+    def set(self, name: str, value: int, shape: tuple[int, ...] = (1,)) -> None:
+        """Write ``value`` into int32 input ``name`` of one element (bound on first use)."""
+        bound = self.inputs.get(name)
+        if bound is None:
+            self.feed(name, np.full(shape, value, dtype=np.int32), fresh=True)
+        else:
+            bound[...] = value
 
     def feed(self, name: str, array: np.ndarray, fresh: bool = False) -> None:
         """Bind ``array`` as input ``name`` (its values: a ``fresh`` array, no one else's, is bound
@@ -397,5 +409,5 @@ def _feed_attention(binding: _Binding, start: int, tokens: np.ndarray, positions
     if not (n == t and positions[-1] == start + t - 1):
         bias[0, 0, :, start + t - n:] = np.where(visible[n - t:], 0.0, LOWEST)
     binding.feed("attention_bias" + suffix, bias, fresh=True)
-    binding.feed("seqlens_k" + suffix, np.array([start + t - 1], dtype=np.int32), fresh=True)
-    binding.feed("total_sequence_length" + suffix, np.array(start + t, dtype=np.int32), fresh=True)
+    binding.set("seqlens_k" + suffix, start + t - 1)
+    binding.set("total_sequence_length" + suffix, start + t, ())

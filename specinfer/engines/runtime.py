@@ -185,14 +185,19 @@ class Runtime(abc.ABC):
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         t, m = len(tokens), seq.pending
         self._check_tokens(tokens)
-        if parents is None:
-            parents = [m - 1 + i for i in range(t)]
-        parents = [int(p) for p in parents]
-        if len(parents) != t:
-            raise SpecInferError(f"{t} tokens but {len(parents)} parents")
-        for i, p in enumerate(parents):
-            if not -1 <= p < m + i:
-                raise SpecInferError(f"node {m + i} has parent {p}: parents must be -1 or an earlier node")
+        if parents is None:   # a chain after the last pending node (an incremental step, a prompt)
+            parents = list(range(m - 1, m + t - 1))
+            first = seq.depths[-1] + 1 if m else 0
+            depths = list(range(first, first + t))
+        else:
+            parents = [int(p) for p in parents]
+            if len(parents) != t:
+                raise SpecInferError(f"{t} tokens but {len(parents)} parents")
+            depths = [0] * t
+            for i, p in enumerate(parents):  # a node's parent may be in this very call
+                if not -1 <= p < m + i:
+                    raise SpecInferError(f"node {m + i} has parent {p}: parents must be -1 or an earlier node")
+                depths[i] = 0 if p < 0 else (seq.depths[p] if p < m else depths[p - m]) + 1
         if seq.length + m + t > seq.limit:
             raise SpecInferError(f"context capacity {seq.limit} reached: {seq.length} committed, "
                                  f"{m} pending and {t} new tokens do not fit")
@@ -200,9 +205,6 @@ class Runtime(abc.ABC):
         # Only the tree built since the last commit enters the mask; its first node sits at slot
         # `length`, so the mask covers N = m + t tree tokens and the prefix is implicit.
         visible = ancestor_matrix(seq.parents + parents)
-        depths = [0] * t
-        for i, p in enumerate(parents):  # a node's parent may be in this very call
-            depths[i] = 0 if p < 0 else (seq.depths[p] if p < m else depths[p - m]) + 1
         positions = seq.length + np.asarray(depths, dtype=np.int64)
         return seq, tokens, positions, visible, parents, depths
 
