@@ -263,3 +263,17 @@ def test_session_threads():
         engine._shared_pool = shared
     assert session_options(None).use_per_session_threads is False
     assert session_options(2).use_per_session_threads is False   # ONNX Runtime allows no other then
+
+
+def test_a_model_in_a_process_of_its_own_gets_one_thread_when_small_and_every_core_when_large(tmp_path, exported):
+    """Behind the ensemble each SSM has a process; a small one on all cores fought the others for them."""
+    import json
+    import os
+
+    from specinfer.engines.onnxruntime import read_manifest, threads_beside_others
+
+    assert threads_beside_others(exported["llama3"]) == 1
+    manifest = read_manifest(exported["llama3"])
+    manifest["config"].update(hidden_size=1024, intermediate_size=4096, num_layers=8)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert threads_beside_others(tmp_path) == (os.cpu_count() or 1)
