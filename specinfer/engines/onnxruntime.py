@@ -122,7 +122,8 @@ def threads_beside_others(onnx_dir: str | Path) -> int:
     (an ``ssm_<i>`` behind the ensemble): :func:`default_threads`, so a small SSM runs on one
     thread, not spinning. On the process's shared pool of every core, its spinning workers fought
     the ``lookup`` model running beside it and the ``llm`` process for the 2 cores: one stream
-    behind the ensemble made 120-130 tokens/s with it against 166-234 on one thread."""
+    behind the ensemble made 120-149 tokens/s with it against 203-300 on one thread (the ``llm``
+    model's step took 7-12 ms against 6-7)."""
     return default_threads(ModelConfig.from_dict(read_manifest(onnx_dir)["config"]))
 
 
