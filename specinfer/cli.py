@@ -309,6 +309,22 @@ def cmd_boost_tune(a) -> None:
     print(f"wrote {a.output}")
 
 
+def cmd_distill(a) -> None:
+    from .training.corpus import stdlib_corpus
+    from .training.distill import DistillConfig, distill
+
+    for folder in (a.llm, a.ssm):
+        if not (Path(folder) / "config.json").is_file():
+            raise SpecInferError(f"{folder} is not a checkpoint folder (no config.json)")
+    if not (Path(a.llm) / "tokenizer.json").is_file():
+        raise SpecInferError(f"{a.llm} has no tokenizer.json")
+    cfg = _given(DistillConfig(), steps=a.steps, seed=a.seed)
+    if cfg.steps < 2:
+        raise SpecInferError("--steps must be >= 2")
+    distill(a.llm, a.ssm, stdlib_corpus(a.stdlib), a.output, cfg)
+    print(f"wrote {a.output}")
+
+
 def _bytes(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -496,6 +512,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training prompts with the LLM's sampled continuation (temperature 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: the recipe's)")
     p.set_defaults(func=cmd_boost_tune)
+
+    p = sub.add_parser("distill", help="fine-tune an SSM on the LLM's whole next-token distribution "
+                                       "(for sampling)")
+    p.add_argument("--llm", required=True, help="the LLM checkpoint folder (with tokenizer.json)")
+    p.add_argument("--ssm", required=True, help="the SSM checkpoint folder to start from")
+    p.add_argument("-o", "--output", required=True, help="folder for the distilled SSM and distillation.json")
+    p.add_argument("--stdlib", default=None, help="stdlib folder (default: this interpreter's)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the recipe's)")
+    p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("repo", help="write a Triton model repository for an LLM and its SSMs")
     p.add_argument("--llm", required=True, help="the LLM: an export or checkpoint folder")

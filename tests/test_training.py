@@ -138,3 +138,47 @@ def test_boost_tuning_drops_the_prompts_ssm1_agrees_on(tmp_path, threshold):
         config = json.loads((tmp_path / "ssms" / f"ssm{s['ssm']}" / "config.json").read_text())
         assert config["vocab_size"] == 300 and config["hidden_size"] == 16 and config.get("dtype", config.get("torch_dtype")) == "float16"
     assert json.loads((tmp_path / "ssms" / "boost_tuning.json").read_text())["ssms"] == ssms
+
+
+def test_teacher_targets_are_the_llms_likeliest_tokens():
+    from specinfer.training.distill import teacher_targets
+    model = _tiny_model().eval()
+    tokens = np.random.default_rng(0).integers(1, 300, (5, 9)).astype(np.int32)
+    indices, probs = teacher_targets(model, tokens, 7, batch=2)
+    assert indices.shape == probs.shape == (5, 9, 7)
+    with torch.no_grad():
+        p = torch.softmax(model(torch.from_numpy(tokens.astype(np.int64))).logits.float(), -1).numpy()
+    assert np.allclose(np.take_along_axis(p, indices.astype(np.int64), -1), probs.astype(np.float32), atol=1e-3)
+    assert (np.diff(probs.astype(np.float32), axis=-1) <= 0).all()   # likeliest first
+    assert np.allclose(np.sort(p, -1)[..., ::-1][..., :7], probs.astype(np.float32), atol=1e-3)
+
+
+def test_distillation_moves_the_ssms_law_toward_the_llms(tmp_path):
+    """Soft targets: a tiny SSM fine-tuned on a tiny LLM's distributions overlaps the LLM's law
+    (sum min(p, q) on held-out continuations) more than before, and the report and checkpoint are
+    written."""
+    import transformers
+
+    from specinfer.training.corpus import Corpus
+    from specinfer.training.distill import DistillConfig, distill
+    from specinfer.training.train import save_checkpoint
+
+    corpus = stdlib_corpus()
+    corpus = Corpus(corpus.root, corpus.train[:6], corpus.test[:2])
+    train_tokenizer(corpus.texts(corpus.train), 300, tmp_path / "tok")
+    llm = _tiny_model()
+    with torch.no_grad():   # logits 10x: a peaked law that a random SSM does not overlap
+        llm.model.norm.weight.mul_(10)
+    save_checkpoint(llm, tmp_path / "llm", tmp_path / "tok", dtype="float32")
+    torch.manual_seed(3)
+    small = transformers.LlamaForCausalLM(llama_config(TrainConfig(
+        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, vocab_size=300), 64))
+    save_checkpoint(small, tmp_path / "ssm", tmp_path / "tok", tokenizer=False)
+    cfg = DistillConfig(greedy_prompts=8, sampled_prompts=16, cool_prompts=8, prompt_len=8, new_tokens=8,
+                        top_k=300, steps=80, batch_size=8, lr=1e-2, test_prompts=8)
+    report = distill(tmp_path / "llm", tmp_path / "ssm", corpus, tmp_path / "out", cfg)
+    before, after = report["held_out_before"], report["held_out_after"]
+    assert after["T=1.0"] > before["T=1.0"] + 0.1 and after["T=0.7"] > before["T=0.7"]
+    assert report["teacher_mass_kept"] == pytest.approx(1.0, abs=1e-2)   # top_k = the vocabulary
+    assert json.loads((tmp_path / "out" / "distillation.json").read_text())["held_out_after"] == after
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 16

@@ -109,7 +109,9 @@ def evaluate(model, data: np.ndarray, seq_len: int, batch: int = 16, max_windows
 def fit(model, next_batch, cfg: TrainConfig, checkpoint_dir: Path | None = None,
         test: np.ndarray | None = None, desc: str = "train", log: list | None = None) -> None:
     """The training loop shared by the LLM and the SSMs. ``next_batch(rng)`` gives (inputs, labels,
-    loss mask or None). Resumes from the trainer state in ``checkpoint_dir``; evaluates on ``test``."""
+    loss mask or None); labels are the next tokens, or soft targets as (tokens, probabilities), each
+    ``[batch, seq, k]``: the loss is then the cross-entropy against those probabilities. Resumes
+    from the trainer state in ``checkpoint_dir``; evaluates on ``test``."""
     import torch
     from tqdm import tqdm
 
@@ -137,7 +139,11 @@ def fit(model, next_batch, cfg: TrainConfig, checkpoint_dir: Path | None = None,
         inputs, labels, mask = next_batch(rng)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(inputs).logits
-        losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        if isinstance(labels, tuple):   # soft targets: a teacher's top tokens and their probabilities
+            tokens, probs = labels
+            losses = -(torch.log_softmax(logits.float(), -1).gather(-1, tokens) * probs).sum(-1).flatten()
+        else:
+            losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
         loss = losses.mean() if mask is None else (losses * mask.flatten()).sum() / mask.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
