@@ -14,7 +14,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .engines.runtime import ChainDraft, Runtime
+from .engines.runtime import ChainDraft, Runtime, top_tokens
 from .errors import SpecInferError
 from .sampling import SamplingParams, probabilities, sample
 from .tree import Proposal, TokenTree
@@ -35,6 +35,11 @@ def parse_widths(spec: str) -> list[int]:
 DYNAMIC = "dynamic"   # the tree spec of the dynamic tree (tree_sizing.py)
 NONE = "none"         # the tree spec of no speculation: incremental decoding
 DYNAMIC_DEPTH = 8     # the most tokens an SSM drafts for it: one call of the exported drafter
+# A dynamic tree's first drafter call asks for this many chain tokens more than the sizer has been
+# keeping (a moving average): a drafter call costs about linearly in its tokens (each an unrolled
+# step of the graph), so drafting 8 where 2 are kept would pay for 6 unread steps; a chain that
+# would pay for more goes on in another call (SSMDrafter._go_on) and raises the average.
+DEPTH_MARGIN = 2
 # An SSM drafts only into a tree with room for two draft nodes: its call costs about what a longer
 # draft costs (a batch that shares out few nodes leaves its requests the lookup's free drafts).
 SSM_MIN_BUDGET = 3
@@ -71,18 +76,33 @@ def check_vocab(llm: Runtime, ssms: Sequence[Runtime]) -> None:
                                  "an SSM must use the LLM's tokenizer")
 
 
-def top_k(logits: np.ndarray, k: int) -> list[int]:
-    """The k largest logits' tokens, best first, ties to the lower id (as argmax breaks them)."""
-    k = min(k, len(logits))
-    if k == 1:  # the common case (chains): argmax already takes the lowest id among ties
-        return [int(np.argmax(logits))]
-    part = np.argpartition(-logits, k - 1)[:k]  # O(V), not a full sort of the vocabulary
-    return [int(t) for t in part[np.lexsort((part, -logits[part]))]]
-
-
 def confidence(logits: np.ndarray) -> float:
     """The probability of the most likely token (softmax at temperature 1)."""
     return float(1.0 / np.exp(logits - logits.max()).sum())
+
+
+# A sampled draft is drawn at this multiple of the LLM's temperature. The embedded SSMs are trained
+# on the LLM's greedy tokens (boost_tune.py), so they are sharper than the LLM and do better drawn
+# flatter: on held-out code (aiohttp, the LLM's samples, temperature 0.7) the LLM accepts a draw
+# from SSM 1's top 16 with 0.623 (sum min(p, q)) at 1.5x against 0.586 at 1x. An SSM distilled on
+# the LLM's distributions (training/distill.py) is calibrated and does best at 1x (0.704 against 0.659).
+DRAFT_TEMPERATURE_SCALE = 1.5
+
+
+def draft_temperature(params: SamplingParams) -> float:
+    """The temperature a sampled draft is drawn at, for sampling with ``params``."""
+    return DRAFT_TEMPERATURE_SCALE * params.temperature
+
+
+def draft_distribution(candidates: np.ndarray, logits: np.ndarray, temperature: float, vocab_size: int) -> np.ndarray:
+    """The law of a sampled draft's token (:meth:`Runtime.draft_chain` with noise): softmax of the
+    candidates' logits at ``temperature``, nothing elsewhere; float64 [V]. (The engine draws by
+    Gumbel-max in float32: its law is this one up to float32 rounding, about 1e-7.)"""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    w = np.exp(z - z.max())
+    q = np.zeros(vocab_size)
+    q[np.asarray(candidates)] = w / w.sum()
+    return q
 
 
 def sample_without_replacement(p: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
@@ -115,7 +135,8 @@ class SSMDrafter:
         self.catch_up: list[int] = []            # accepted tokens this SSM has not scored yet
         self._tree: TokenTree | None = None      # the draft awaiting commit
         self._slot: dict[int, int] = {}          # scored tree node -> its pending index in the runtime
-        self._chunk_seconds = 0.0                # a draft_chain call's seconds (moving average)
+        self._call_seconds: dict[int, float] = {}   # a draft_chain call's seconds by its tokens (moving averages)
+        self._kept = float(DYNAMIC_DEPTH)          # chain tokens the sizer keeps (moving average)
         # With a sizer: the SSM's acceptance record, and the draft's candidates as
         # (tree node, rank, SSM probability), for the record to learn from at commit.
         self._acceptance: Acceptance | None = None
@@ -161,8 +182,11 @@ class SSMDrafter:
             self._acceptance = acceptance(self.runtime, params)
             if not self._acceptance.drafting_pays(lead):
                 return tree   # drafts do not pay here: no call now, the tokens wait as catch-up
-        if self.sizer is not None or (params.greedy and all(w == 1 for w in widths)):
-            return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1), budget)
+        if self.sizer is not None or all(w == 1 for w in widths):   # a chain: in the runtime's fewest calls
+            # The dynamic tree drafts the SSM's top tokens (deterministic candidates, which its sizer
+            # rates by their probability); a fixed chain under sampling draws its tokens.
+            sampled = None if params.greedy or self.sizer is not None else (rng, draft_temperature(params))
+            return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1), budget, sampled)
         logits = self.runtime.score(self.seq, chain)
         pending = len(chain)
         self._slot[0] = pending - 1
@@ -176,7 +200,7 @@ class SSMDrafter:
                 if self.min_confidence and confidence(node_logits) < self.min_confidence:
                     continue
                 if params.greedy:
-                    q, tokens = None, top_k(node_logits, k)
+                    q, tokens = None, top_tokens(node_logits, k)
                 else:
                     q = probabilities(node_logits, params)
                     tokens = sample_without_replacement(q, k, rng)
@@ -193,25 +217,45 @@ class SSMDrafter:
             frontier = list(zip(new, logits))
         return tree
 
-    def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int, budget: int) -> TokenTree:
-        """A chain of up to ``depth`` of the SSM's top tokens, drafted in chunks of the runtime's
-        cheapest :meth:`Runtime.draft_chain` call and cut where the SSM's confidence falls below
-        ``min_confidence``. With a sizer, each depth's runner-up may join as a leaf beside the
-        chain token, the nodes kept are the likeliest, as many as pay for their verification, and
-        drafting goes on while another chunk is expected to pay for itself. The tokens are
-        deterministic candidates (exact under sampling too). Draft token i sits at pending index
-        ``len(chain) + i``; the last one is not scored (an engine may score it, but we do not count
-        on it: if accepted, it is next step's catch-up), nor are runner-ups."""
+    def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int, budget: int,
+                     sampled: tuple[np.random.Generator, float] | None = None) -> TokenTree:
+        """A chain of up to ``depth`` tokens, drafted in chunks of at most the runtime's
+        :attr:`Runtime.draft_depth` (with a sizer, the first chunk ``DEPTH_MARGIN`` more than the
+        chain tokens the sizer has been keeping) and cut where the SSM's confidence falls below
+        ``min_confidence``. Greedy (``sampled`` None): the SSM's top tokens, deterministic
+        candidates (exact under sampling too), and with a sizer each depth's runner-up may join as
+        a leaf beside the chain token. ``sampled`` = (rng, temperature): each token drawn from the
+        SSM's likeliest tokens at that temperature (:func:`draft_distribution`), its proposal
+        carrying that distribution. With a sizer the nodes kept are the likeliest to be accepted,
+        as many as pay for their verification, and drafting goes on while another chunk is
+        expected to pay for itself. Draft token i sits at pending index ``len(chain) + i``; the
+        last one is not scored (an engine may score it, but we do not count on it: if accepted, it
+        is next step's catch-up), nor are runner-ups."""
         self._slot[0] = len(chain) - 1
         if depth < 1:
             self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it
             return tree
-        draft = ChainDraft([], [], [], [])
-        inputs, keep = chain, 0
+        draft = ChainDraft([], [], [], [], [], [])
+        inputs, keep, q = chain, 0, []
+        size = min(self.runtime.draft_depth, depth)
+        if self.sizer is not None:
+            size = min(size, int(np.ceil(self._kept)) + DEPTH_MARGIN)
         while True:
             start = time.perf_counter()
-            part = self.runtime.draft_chain(self.seq, inputs, min(self.runtime.draft_depth, depth - len(draft.tokens)))
-            self._chunk_seconds += 0.2 * (time.perf_counter() - start - self._chunk_seconds)
+            size = min(size, depth - len(draft.tokens))
+            if sampled is None:
+                part = self.runtime.draft_chain(self.seq, inputs, size)
+            else:
+                rng, temperature = sampled
+                noise = (temperature * rng.gumbel(size=(size, self.runtime.draft_candidates))).astype(np.float32)
+                part = self.runtime.draft_chain(self.seq, inputs, size, noise)
+                # Each token's proposal: the distribution it was drawn from; its likeliest token's
+                # probability there is the SSM's confidence at the token's parent.
+                for candidates, logits in zip(part.candidates, part.candidate_logits):
+                    q.append(draft_distribution(candidates, logits, temperature, self.runtime.vocab_size))
+                    part.probability.append(float(q[-1].max()))
+            seconds = time.perf_counter() - start
+            self._call_seconds[size] = self._call_seconds.get(size, seconds) * 0.8 + 0.2 * seconds
             for mine, theirs in zip(draft, part):
                 mine += theirs
             confident = next((i for i, p in enumerate(draft.probability) if p < self.min_confidence), None)
@@ -220,9 +264,12 @@ class SSMDrafter:
                 break
             inputs = draft.tokens[-1:]   # the next chunk continues the chain from its last token
         chain_node = [0] * (keep + 1)    # chain token i's tree node at chain_node[i + 1]; the root at 0
-        for i, rank in sorted(self._candidates(draft, keep, budget)):
+        candidates = sorted(self._candidates(draft, keep, budget))
+        if self.sizer is not None:
+            self._kept += 0.2 * (sum(rank == 0 for _, rank in candidates) - self._kept)
+        for i, rank in candidates:
             node = tree.add(chain_node[i], draft.tokens[i] if rank == 0 else draft.runner_up[i],
-                            Proposal(self.index, rank, None))
+                            Proposal(self.index, rank, q[i] if q else None))
             if self.sizer is not None:
                 self._proposed.append((node, rank, (draft.probability if rank == 0 else draft.runner_up_probability)[i]))
             if rank == 0:
@@ -242,7 +289,7 @@ class SSMDrafter:
             return False
         likely = float(np.exp(np.mean(np.log(np.maximum(chunk.probability, 1e-9)))))
         more = reach[len(draft.tokens) - 1] * likely ** np.arange(1, len(chunk.tokens) + 1)
-        return self.sizer.drafting_more_pays(np.sort(reach)[::-1], more, self._chunk_seconds)
+        return self.sizer.drafting_more_pays(np.sort(reach)[::-1], more, self._call_seconds[len(chunk.tokens)])
 
     def _reach(self, draft: ChainDraft, keep: int) -> np.ndarray:
         """The chance that verification accepts each node, by the SSM's probabilities as the

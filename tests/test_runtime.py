@@ -200,7 +200,7 @@ def test_one_call_draft_is_the_token_by_token_draft(exported):
             chain = Runtime.draft_chain(rt, seq, [7, 8], 2 * d)
         rt.commit(seq, list(range(d + 3)))         # 7, 8 and the first d + 1 drafted tokens
         results.append((chain, rt.score(seq, [chain[0][d + 1]])[0]))
-    ((t1, p1, r1, rp1), l1), ((t2, p2, r2, rp2), l2) = results
+    ((t1, p1, r1, rp1, *_), l1), ((t2, p2, r2, rp2, *_), l2) = results
     assert t1 == t2 and r1 == r2 and len(t1) == 2 * d
     assert all(a != b for a, b in zip(t1, r1))
     assert np.allclose(p1, p2, atol=1e-5) and np.allclose(rp1, rp2, atol=1e-5)
@@ -231,10 +231,72 @@ def test_a_trim_keeps_open_sequences_exact_and_gives_new_ones_new_sessions(expor
         out += rt.score_batch([(seq, *tree) for seq in (during, after)])
         for seq in (before, after):
             rt.commit(seq, [0, 1])                                      # 7, 8
-        return out + [np.array(rt.draft_chain(seq, [3], rt.draft_depth)) for seq in (before, after)]
+        return out + [np.array(rt.draft_chain(seq, [3], rt.draft_depth)[:4]) for seq in (before, after)]
 
     kept, trimmed = run(False), run(True)
     assert all(np.array_equal(a, b) for a, b in zip(kept, trimmed, strict=True))
+
+
+def test_one_call_sampled_draft_is_the_token_by_token_draft(exported):
+    """The sampled drafter graph (draft_sampled.ort.onnx), called twice, draws the chain the
+    Runtime's own score calls draw with the same noise: the same candidates (the likeliest,
+    best first), logits and tokens; and the noise decides the draw (large noise on one candidate
+    picks it)."""
+    from specinfer.engines.runtime import Runtime
+
+    rt = OrtRuntime(exported["llama3"])
+    d, k = rt.draft_depth, rt.draft_candidates
+    noise = (0.8 * np.random.default_rng(3).gumbel(size=(2 * d, k))).astype(np.float32)
+    fast, slow = rt.start(), rt.start()
+    for seq in (fast, slow):
+        rt.prefill(seq, PROMPT)
+    first = rt.draft_chain(fast, [7, 8], d, noise[:d])
+    one_call = [a + b for a, b in zip(first, rt.draft_chain(fast, first.tokens[-1:], d, noise[d:]))]
+    by_token = Runtime.draft_chain(rt, slow, [7, 8], 2 * d, noise)
+    assert one_call[0] == by_token[0] and len(one_call[0]) == 2 * d
+    assert one_call[1] == one_call[2] == [] and by_token[1] == by_token[2] == []
+    for ours, theirs, logits, token in zip(one_call[4], by_token[4], one_call[5], one_call[0]):
+        assert list(ours) == list(theirs) and len(ours) == k and token in ours
+        assert np.all(np.diff(logits) <= 0)
+    assert np.allclose(np.concatenate(one_call[5]), np.concatenate(by_token[5]), atol=1e-4)
+    # The draw is the noise's: a large push on the 5th candidate of step 0 draws it.
+    push = np.zeros((d, k), np.float32)
+    push[0, 4] = 1e4
+    for seq in (fast, slow):
+        rt.commit(seq, [])
+    assert rt.draft_chain(fast, [7, 8], 1, push).tokens[0] == int(one_call[4][0][4])
+
+
+def test_a_shorter_draft_runs_a_cut_drafter_that_drafts_the_full_ones_first_steps_exactly(exported):
+    """A draft of 3 runs the drafter cut to 3 steps (fewer kernels), and drafts exactly what the
+    full drafter drafts first, greedy and sampled: same tokens, probabilities and candidates bit
+    for bit, and the same cache after commit (the next scores equal)."""
+    import onnx
+
+    from specinfer.export.ort_lowering import truncate_drafter
+
+    rt = OrtRuntime(exported["llama3"])
+    d, k = rt.draft_depth, rt.draft_candidates
+    noise = (0.7 * np.random.default_rng(5).gumbel(size=(d, k))).astype(np.float32)
+    for sampled in (None, noise):
+        drafts, after = [], []
+        for depth in (d, 3):
+            seq = rt.start()
+            rt.prefill(seq, PROMPT)
+            drafts.append(rt.draft_chain(seq, [7, 8], depth, None if sampled is None else sampled[:depth]))
+            rt.commit(seq, [0, 1, 2, 3])                  # 7, 8 and the first two drafted tokens
+            after.append(rt.score(seq, [drafts[-1].tokens[2]]))
+            rt.release(seq)
+        full, cut = drafts
+        assert len(full.tokens) == d and len(cut.tokens) == 3
+        for mine, theirs in zip(cut, full):
+            assert len(mine) == (3 if len(theirs) else 0)
+            assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
+        assert np.array_equal(after[0], after[1])
+    graph = onnx.load(exported["llama3"] / "draft.ort.onnx", load_external_data=False)
+    assert len(truncate_drafter(graph, 3).graph.node) < 0.5 * len(graph.graph.node)
+    with pytest.raises(ValueError, match=f"cannot be cut to {d + 1}"):
+        truncate_drafter(graph, d + 1)
 
 
 def test_draft_chain_continues_only_a_chain(exported):

@@ -166,9 +166,12 @@ class OrtRuntime(Runtime):
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
-        self._draft_onnx = self.manifest.get("draft_onnx")
-        self.draft_depth = self.manifest.get("draft_depth", 1) if self._draft_onnx else 1
-        self._draft_session = None   # opened at the first draft: a target LLM never drafts
+        # The drafters (greedy and sampled), each opened at its first draft: a target LLM never drafts.
+        self._drafters = {"draft": self.manifest.get("draft_onnx"), "sampled_draft": self.manifest.get("sampled_draft_onnx")}
+        self.draft_depth = self.manifest.get("draft_depth", 1) if self._drafters["draft"] else 1
+        self.draft_candidates = self.manifest.get("draft_candidates", self.draft_candidates)
+        self._draft_graphs: dict[str, object] = {}            # kind -> the export's drafter graph
+        self._draft_sessions: dict[tuple[str, int], object] = {}   # (kind, steps) -> its session
         # batch size -> its session, its binding and the cache each slot has bound (made on first use)
         self._batched: dict[int, tuple[object, _Binding, dict]] = {}
         self._scratch: SequenceState | None = None   # the spare slots' cache
@@ -197,39 +200,64 @@ class OrtRuntime(Runtime):
                     binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
         return binding
 
-    def draft_chain(self, seq_id, tokens, depth: int) -> ChainDraft:
-        """One session run of the export's drafter (``draft.ort.onnx``) when it fits; else one
-        Runtime call per token (the base class)."""
+    def draft_chain(self, seq_id, tokens, depth: int, noise: np.ndarray | None = None) -> ChainDraft:
+        """One session run of the export's drafter (``draft.ort.onnx``, or ``draft_sampled.ort.onnx``
+        given ``noise``), cut to the ``depth`` steps asked (:func:`truncate_drafter`), when it fits;
+        else one Runtime call per token (the base class)."""
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        c, d, m = len(tokens), self.draft_depth, seq.pending
+        c, d, m = len(tokens), depth, seq.pending
         need = seq.length + m + c + d - 1
-        if self._draft_onnx is None or not 1 <= depth <= d or need > seq.limit:
-            return super().draft_chain(seq_id, tokens, depth)
+        kind = "draft" if noise is None else "sampled_draft"
+        if (self._drafters.get(kind) is None or not 1 <= depth <= self.draft_depth or need > seq.limit
+                or (noise is not None and noise.shape[1] != self.draft_candidates)):
+            return super().draft_chain(seq_id, tokens, depth, noise)
         self._grow(seq, need)
         self._check_pending_chain(seq_id)
         self._check_tokens(tokens)
-        if "draft" not in seq.bindings:
+        if (kind, d) not in seq.bindings:
             from ..export.ort_lowering import drafter_present_names
 
-            session = self._draft_session = self._draft_session or open_session(self.dir / self._draft_onnx, self.threads)
             steps = drafter_present_names(self.config.num_layers, d)
             per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
-            seq.bindings["draft"] = self._bind_cache(session, seq, per_layer)
-        binding = seq.bindings["draft"]
+            seq.bindings[kind, d] = self._bind_cache(self._draft_session(kind, d), seq, per_layer)
+        binding = seq.bindings[kind, d]
         end = seq.length + m + c      # every new token sees all slots before its own: the prefix and the chain
         binding.feed("input_ids", tokens[None])
         binding.set("seqlens_k", end - 1)
         binding.set("total_sequence_length", end, ())
+        n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
+        if noise is not None:
+            k = self.draft_candidates
+            for j in range(d):
+                binding.feed(f"draft_noise.{j}", np.ascontiguousarray(noise[j], np.float32).reshape(1, 1, k), fresh=True)
+            drafted, top, choice = binding.outputs_of((("draft_tokens", (1, d, k), np.int64),
+                                                       ("draft_logits", (1, d, k), np.float32),
+                                                       ("draft_choice", (1, d, 1), np.int64)))
+            binding.session.run_with_iobinding(binding.io)
+            seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
+            drafted, top, choice = drafted[0].copy(), top[0].copy(), choice[0, :, 0]
+            return ChainDraft(drafted[np.arange(d), choice].tolist(), [], [], [], list(drafted), list(top))
         drafted, top, mass = binding.outputs_of((("draft_tokens", (1, d, 2), np.int64), ("draft_logits", (1, d, 2), np.float32),
                                                  ("draft_mass", (1, d, 1), np.float32)))
         binding.session.run_with_iobinding(binding.io)
-        n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
         seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
-        drafted, top, mass = drafted[0, :depth], top[0, :depth], mass[0, :depth]   # read before the next run
+        drafted, top, mass = drafted[0], top[0], mass[0]   # read before the next run
         probability = np.exp(top - top[:, :1]) / mass
         return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
-                          drafted[:, 1].tolist(), probability[:, 1].tolist())
+                          drafted[:, 1].tolist(), probability[:, 1].tolist(), [], [])
+
+    def _draft_session(self, kind: str, steps: int):
+        """The drafter of ``kind`` cut to ``steps`` steps, opened at its first use."""
+        if (kind, steps) not in self._draft_sessions:
+            import onnx
+
+            from ..export.ort_lowering import truncate_drafter
+
+            if kind not in self._draft_graphs:
+                self._draft_graphs[kind] = onnx.load(self.dir / self._drafters[kind], load_external_data=False)
+            self._draft_sessions[kind, steps] = self._open(truncate_drafter(self._draft_graphs[kind], steps))
+        return self._draft_sessions[kind, steps]
 
     def _forward(self, seq: SequenceState, tokens, positions, visible, last_only: bool = False) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
@@ -337,7 +365,7 @@ class OrtRuntime(Runtime):
         self._batched.clear()
         self._scratch = None
         self.session = self._open(self._lowered)
-        self._draft_session = None
+        self._draft_sessions.clear()
 
 
 # Batch sizes with a session of their own (a batch runs on the smallest that holds it; a larger

@@ -28,12 +28,34 @@ from ..plugins.tree_attention import ancestor_matrix
 
 
 class ChainDraft(NamedTuple):
-    """A greedy chain drafted by :meth:`Runtime.draft_chain`, with each depth's runner-up."""
+    """A chain drafted by :meth:`Runtime.draft_chain`: greedy, with each depth's runner-up, or
+    sampled, with each depth's candidates."""
 
-    tokens: list[int]                 # the chain: each the argmax after the ones before
-    probability: list[float]          # each token's probability under the model (temperature 1)
-    runner_up: list[int]              # at each depth, the second most likely token (a sibling of tokens[i])
+    tokens: list[int]                 # the chain: each the argmax (or the draw) after the ones before
+    probability: list[float]          # greedy: each token's probability under the model (temperature 1)
+    runner_up: list[int]              # greedy: at each depth, the second most likely token (a sibling of tokens[i])
     runner_up_probability: list[float]
+    candidates: list[np.ndarray]      # sampled: at each depth, the tokens drawn among, likeliest first
+    candidate_logits: list[np.ndarray]   # sampled: their logits (temperature 1), float32
+
+
+def chain_draw(logits: np.ndarray, noise: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A sampled chain's step: the ``len(noise)`` likeliest tokens (ties to the lower id) and the
+    one drawn among them by Gumbel-max, the argmax of their logits plus ``noise`` (temperature x
+    Gumbel(0, 1) noise: the draw follows softmax(logits / temperature) over them). Returns the
+    drawn token, the candidates and their logits."""
+    candidates = np.asarray(top_tokens(logits, len(noise)), dtype=np.int64)   # all of a smaller vocabulary
+    top = np.asarray(logits, dtype=np.float32)[candidates]
+    return int(candidates[int(np.argmax(top + noise[:len(candidates)]))]), candidates, top
+
+
+def top_tokens(logits: np.ndarray, k: int) -> list[int]:
+    """The k largest logits' tokens, best first, ties to the lower id (as argmax breaks them)."""
+    k = min(k, len(logits))
+    if k == 1:  # the common case (chains): argmax already takes the lowest id among ties
+        return [int(np.argmax(logits))]
+    part = np.argpartition(-logits, k - 1)[:k]  # O(V), not a full sort of the vocabulary
+    return [int(t) for t in part[np.lexsort((part, -logits[part]))]]
 
 
 def chain_step(logits: np.ndarray) -> tuple[int, float, int, float]:
@@ -72,6 +94,8 @@ class Runtime(abc.ABC):
     # Draft tokens one draft_chain call makes at its cheapest: a drafter asks in chunks of this
     # many and decides between chunks whether to go on (the base class drafts token by token).
     draft_depth: int = 1
+    # Candidates a sampled draft_chain draws among at each depth (the likeliest; see chain_draw).
+    draft_candidates: int = 16
     # Slots a sequence's KV buffer starts with; it doubles as the sequence grows, up to the capacity
     # asked at start. None: the whole capacity at once (an engine that cannot move its buffers).
     initial_slots: int | None = None
@@ -244,23 +268,36 @@ class Runtime(abc.ABC):
         seq.length += len(path)
         seq.parents, seq.depths = [], []
 
-    def draft_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int) -> ChainDraft:
-        """Greedy drafting: score ``tokens`` as a chain after the committed prefix and the pending
-        nodes, which must be a chain too (none, or an earlier draft's: ``tokens`` then continue
-        it), then extend it ``depth`` tokens by argmax. Returns the drafted tokens, each depth's
-        runner-up, and their probabilities under the model. The drafted tokens but the last are
-        left pending after ``tokens``, as a chain: with m nodes pending before the call, pending
-        node ``m + len(tokens) + i`` is draft token i. An engine may draft more tokens than asked
-        (and leave them pending) to do it in one call, never more than :attr:`draft_depth`.
+    def draft_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int,
+                    noise: np.ndarray | None = None) -> ChainDraft:
+        """Drafting: score ``tokens`` as a chain after the committed prefix and the pending nodes,
+        which must be a chain too (none, or an earlier draft's: ``tokens`` then continue it), then
+        extend it ``depth`` tokens: greedy (by argmax, each depth's runner-up and their
+        probabilities under the model returned too), or sampled with ``noise`` float32
+        [>= depth, :attr:`draft_candidates`], step i drawing among its likeliest tokens by
+        Gumbel-max with ``noise[i]`` (:func:`chain_draw`; the candidates and their logits
+        returned). The drafted tokens but the last are left pending after ``tokens``, as a chain:
+        with m nodes pending before the call, pending node ``m + len(tokens) + i`` is draft token
+        i. An engine may draft more tokens than asked (and leave them pending) to do it in one
+        call, never more than :attr:`draft_depth`.
         """
         self._check_pending_chain(seq_id)
         logits = self.score(seq_id, tokens)[-1]
-        steps = []
+        draft = ChainDraft([], [], [], [], [], [])
         for i in range(depth):
-            steps.append(chain_step(logits))
+            if noise is None:
+                first, p_first, second, p_second = chain_step(logits)
+                draft.runner_up.append(second)
+                draft.probability.append(p_first)
+                draft.runner_up_probability.append(p_second)
+            else:
+                first, candidates, top = chain_draw(logits, noise[i])
+                draft.candidates.append(candidates)
+                draft.candidate_logits.append(top)
+            draft.tokens.append(first)
             if i + 1 < depth:
-                logits = self.score(seq_id, [steps[-1][0]])[0]
-        return ChainDraft(*([list(column) for column in zip(*steps)] if steps else [[], [], [], []]))
+                logits = self.score(seq_id, [first])[0]
+        return draft
 
     def _check_pending_chain(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)

@@ -25,8 +25,8 @@ from ..plugins.tree_attention import tree_mask_from_parents
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
 # Bumped whenever the exported graph changes, so cached exports of checkpoints are redone.
-EXPORT_FORMAT = "specinfer-onnx/5"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering;
-                                    # 5: the drafter gives each step's runner-up token
+EXPORT_FORMAT = "specinfer-onnx/6"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering;
+                                    # 5: the drafter gives each step's runner-up token; 6: a sampled drafter
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well under it

@@ -34,8 +34,13 @@ if TYPE_CHECKING:
 
 ORT_ONNX = "model.ort.onnx"
 DRAFT_ONNX = "draft.ort.onnx"
+SAMPLED_DRAFT_ONNX = "draft_sampled.ort.onnx"
 WEIGHTS = "weights.ort.bin"   # both graphs' initializers, written once
 DRAFT_DEPTH = 8               # tokens one drafter call proposes (a drafter may call again to go on)
+# Candidates a sampled draft draws among at each depth: the model's likeliest. Held-out code, SSM 1
+# at 1.5x the LLM's temperature 0.7: the LLM accepts a draw from its top 16 about as often as one
+# from its whole vocabulary (0.56 vs 0.57 a token; 0.52 from its top 8).
+DRAFT_CANDIDATES = 16
 MS = "com.microsoft"
 
 
@@ -212,22 +217,33 @@ def lower(model: "LlamaModel", max_context: int) -> "onnx.ModelProto":
     return g.model_proto(_step_inputs(c, with_bias=True), outputs + _kv_values(c, presents))
 
 
+def draft_candidates(vocab_size: int) -> int:
+    """The tokens a sampled drafter's step draws among: ``DRAFT_CANDIDATES``, or the whole of a
+    smaller vocabulary."""
+    return min(DRAFT_CANDIDATES, vocab_size)
+
+
 def drafter_present_names(num_layers: int, depth: int) -> list[list[str]]:
     """Per unrolled step, its present outputs (layer-major key, value), all bound to the one cache."""
     return [[f"present_{kv}.{i}.step{j}" for i in range(num_layers) for kv in ("key", "value")]
             for j in range(depth)]
 
 
-def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.ModelProto":
-    """A greedy chain of ``depth`` tokens drafted in one session run.
+def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bool = False) -> "onnx.ModelProto":
+    """A chain of ``depth`` tokens drafted in one session run: greedy, or ``sampled``.
 
     Step 0 scores ``input_ids`` (tokens the model has not seen, the root last), every later step
-    the token the step before chose (its argmax). Outputs, per step: ``draft_tokens`` int64
+    the token the step before chose. Greedy outputs, per step: ``draft_tokens`` int64
     [1, depth, 2], its two most likely tokens (the chain follows the first; the second is the
     runner-up a dynamic tree may add as a leaf); ``draft_logits`` float32 [1, depth, 2], their
     logits; ``draft_mass`` float32 [1, depth, 1], sum(exp(logits - max)), so that a token's
-    probability (temperature 1) is exp(its logit - max) / mass. The cache gains the KV of the inputs
-    and of the first depth - 1 draft tokens.
+    probability (temperature 1) is exp(its logit - max) / mass.
+    Sampled: step j draws among its K likeliest tokens by Gumbel-max (:func:`draft_candidates`), the
+    argmax of their logits plus input ``draft_noise.{j}`` float32 [1, 1, K] (the caller feeds
+    temperature x Gumbel(0, 1) noise, so the draw follows softmax(logits / temperature) over
+    them); outputs ``draft_tokens`` and ``draft_logits`` [1, depth, K] (the candidates, likeliest
+    first) and ``draft_choice`` int64 [1, depth, 1], the index among them of the token drawn.
+    The cache gains the KV of the inputs and of the first depth - 1 draft tokens.
     Every new token sees everything before it (the cache holds only committed tokens when a draft
     starts) and its position is its slot, so the graph takes neither a bias nor positions: the
     attention kernel derives them from ``seqlens_k``. ORT pays a few microseconds per kernel here,
@@ -240,7 +256,8 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.Mo
     presents = drafter_present_names(c.num_layers, depth)
     one = g.constant("one_i32", np.array(1, np.int32))
     ids, seqlens, total = "input_ids", "seqlens_k", "total_sequence_length"
-    tokens, top_logits, mass = [], [], []
+    k = draft_candidates(c.vocab_size) if sampled else 2
+    tokens, top_logits, last = [], [], []   # last: the mass (greedy) or the choice (sampled) per step
     for j in range(depth):
         tag = f"step{j}/"
         if j:
@@ -248,25 +265,35 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int) -> "onnx.Mo
             total = g.node("Add", [total, one], [f"{tag}total"])[0]
         logits = g.decoder(tag, ids, "", seqlens, total, "", list(zip(presents[j][0::2], presents[j][1::2])),
                            last_only=True)                                                # [1, 1, V]
-        top, index = g.node("TopK", [logits, g.constant("k2", np.array([2], np.int64))],
-                            [f"{tag}top", f"{tag}index"], axis=-1)                         # [1, 1, 2]
+        top, index = g.node("TopK", [logits, g.constant(f"k{k}", np.array([k], np.int64))],
+                            [f"{tag}top", f"{tag}index"], axis=-1)                         # [1, 1, k]
         tokens.append(index)
         top_logits.append(top)
+        if sampled:
+            noisy = g.node("Add", [top, f"draft_noise.{j}"], [f"{tag}noisy"])[0]
+            choice = g.node("ArgMax", [noisy], [f"{tag}choice"], axis=-1, keepdims=1)[0]  # [1, 1, 1]
+            last.append(choice)
+            drawn = g.node("GatherElements", [index, choice], [f"{tag}drawn"], axis=-1)[0]
+            ids = g.node("Reshape", [drawn, g.constant("token_shape", np.array([1, 1], np.int64))], [f"{tag}token"])[0]
+            continue
         ids = g.node("Gather", [index, g.constant("first", np.array(0, np.int64))], [f"{tag}token"], axis=-1)[0]
         # sum(exp(logits - max)) = 1 / (the top token's probability). ReduceLogSumExp would be one
         # kernel, but ONNX Runtime's is about 10x slower than these three.
         best = g.node("Gather", [top, g.constant("first_kept", np.array([0], np.int64))], [f"{tag}best"], axis=-1)[0]
         shifted = g.node("Exp", [g.node("Sub", [logits, best], [f"{tag}shifted"])[0]], [f"{tag}exp"])[0]
-        mass.append(g.node("ReduceSum", [shifted, g.constant("last_axis", np.array([-1], np.int64))],
+        last.append(g.node("ReduceSum", [shifted, g.constant("last_axis", np.array([-1], np.int64))],
                            [f"{tag}mass"], keepdims=1)[0])
     g.node("Concat", tokens, ["draft_tokens"], axis=1)
     g.node("Concat", top_logits, ["draft_logits"], axis=1)
-    g.node("Concat", mass, ["draft_mass"], axis=1)
-    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, [1, depth, 2]),
-               helper.make_tensor_value_info("draft_logits", TensorProto.FLOAT, [1, depth, 2]),
+    g.node("Concat", last, ["draft_choice" if sampled else "draft_mass"], axis=1)
+    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, [1, depth, k]),
+               helper.make_tensor_value_info("draft_logits", TensorProto.FLOAT, [1, depth, k]),
+               helper.make_tensor_value_info("draft_choice", TensorProto.INT64, [1, depth, 1]) if sampled else
                helper.make_tensor_value_info("draft_mass", TensorProto.FLOAT, [1, depth, 1])]
     outputs += _kv_values(c, [n for step in presents for n in step])
     inputs = [i for i in _step_inputs(c, with_bias=False) if i.name != "position_ids"]
+    if sampled:
+        inputs += [helper.make_tensor_value_info(f"draft_noise.{j}", TensorProto.FLOAT, [1, 1, k]) for j in range(depth)]
     return g.model_proto(inputs, outputs)
 
 
@@ -282,15 +309,17 @@ def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPT
     onnx.save(main, out_dir / ORT_ONNX, save_as_external_data=True, all_tensors_to_one_file=True,
               location=WEIGHTS, size_threshold=1024)
     stored = {t.name: t for t in onnx.load(out_dir / ORT_ONNX, load_external_data=False).graph.initializer}
-    draft = lower_drafter(model, max_context, depth)
-    for tensor in draft.graph.initializer:  # the same weights under the same names: point at them
-        if tensor.name in stored and stored[tensor.name].data_location == onnx.TensorProto.EXTERNAL:
-            info = {e.key: e.value for e in stored[tensor.name].external_data}
-            external_data_helper.set_external_data(tensor, WEIGHTS, int(info["offset"]), int(info["length"]))
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            tensor.ClearField("raw_data")
-    onnx.save(draft, out_dir / DRAFT_ONNX)
-    return {"ort_onnx": ORT_ONNX, "draft_onnx": DRAFT_ONNX, "draft_depth": depth,
+    for sampled, name in ((False, DRAFT_ONNX), (True, SAMPLED_DRAFT_ONNX)):
+        draft = lower_drafter(model, max_context, depth, sampled)
+        for tensor in draft.graph.initializer:  # the same weights under the same names: point at them
+            if tensor.name in stored and stored[tensor.name].data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in stored[tensor.name].external_data}
+                external_data_helper.set_external_data(tensor, WEIGHTS, int(info["offset"]), int(info["length"]))
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                tensor.ClearField("raw_data")
+        onnx.save(draft, out_dir / name)
+    return {"ort_onnx": ORT_ONNX, "draft_onnx": DRAFT_ONNX, "sampled_draft_onnx": SAMPLED_DRAFT_ONNX,
+            "draft_depth": depth, "draft_candidates": draft_candidates(model.config.vocab_size),
             "ort_head_dim": lowered_head_dim(model.config.head_dim)}
 
 
@@ -380,6 +409,50 @@ def select_logit_rows(model: "onnx.ModelProto") -> "onnx.ModelProto":
     logits = next(o for o in graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[1].dim_param = "rows"
     return model
+
+
+# --- a drafter that drafts fewer tokens ------------------------------------------------------------
+DRAFT_OUTPUTS = ("draft_tokens", "draft_logits", "draft_mass", "draft_choice")
+
+
+def truncate_drafter(model: "onnx.ModelProto", depth: int) -> "onnx.ModelProto":
+    """A drafter (:func:`lower_drafter`) cut to its first ``depth`` steps. Its steps are unrolled and
+    each costs the same (~30 kernels at a few microseconds each), so a chain of 3 drafted by the
+    8-step drafter pays for 8: each output keeps its first ``depth`` steps, and the nodes, inputs
+    (later steps' noise) and weights nothing then reads are dropped. Steps kept run the same
+    kernels on the same inputs, so their results are the full drafter's bit for bit. Rewritten at
+    load time, so exports stay as they are."""
+    import onnx
+
+    cut = onnx.ModelProto()
+    cut.CopyFrom(model)
+    graph = cut.graph
+    full = next(o for o in graph.output if o.name == "draft_tokens").type.tensor_type.shape.dim[1].dim_value
+    if not 1 <= depth <= full:
+        raise ValueError(f"a drafter of {full} steps cannot be cut to {depth}")
+    for node in graph.node:
+        if node.op_type == "Concat" and node.output[0] in DRAFT_OUTPUTS:
+            del node.input[depth:]
+    later = tuple(f".step{j}" for j in range(depth, full))
+    outputs = [o for o in graph.output if not o.name.endswith(later)]
+    for o in outputs:
+        if o.name in DRAFT_OUTPUTS:
+            o.type.tensor_type.shape.dim[1].dim_value = depth
+    del graph.output[:]
+    graph.output.extend(outputs)
+    # Keep what the outputs need, walking the (topologically sorted) nodes backwards.
+    needed, kept = {o.name for o in outputs}, []
+    for node in reversed(list(graph.node)):
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    for field in (graph.input, graph.initializer, graph.value_info):
+        live = [v for v in field if v.name in needed]
+        del field[:]
+        field.extend(live)
+    return cut
 
 
 # --- many sequences in one run ------------------------------------------------------------------------
