@@ -227,23 +227,20 @@ class OrtRuntime(Runtime):
         binding.set("seqlens_k", end - 1)
         binding.set("total_sequence_length", end, ())
         n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
-        if noise is not None:
-            k = self.draft_candidates
+        if noise is None:             # each step's two likeliest tokens and its mass
+            k, last = 2, ("draft_mass", (1, d, 1), np.float32)
+        else:                         # each step's candidates and which of them its noise drew
+            k, last = self.draft_candidates, ("draft_choice", (1, d, 1), np.int64)
             for j in range(d):
                 binding.feed(f"draft_noise.{j}", np.ascontiguousarray(noise[j], np.float32).reshape(1, 1, k), fresh=True)
-            drafted, top, choice = binding.outputs_of((("draft_tokens", (1, d, k), np.int64),
-                                                       ("draft_logits", (1, d, k), np.float32),
-                                                       ("draft_choice", (1, d, 1), np.int64)))
-            binding.session.run_with_iobinding(binding.io)
-            seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
-            drafted, top, choice = drafted[0].copy(), top[0].copy(), choice[0, :, 0]
-            return ChainDraft(drafted[np.arange(d), choice].tolist(), [], [], [], list(drafted), list(top))
-        drafted, top, mass = binding.outputs_of((("draft_tokens", (1, d, 2), np.int64), ("draft_logits", (1, d, 2), np.float32),
-                                                 ("draft_mass", (1, d, 1), np.float32)))
+        drafted, top, last = binding.outputs_of((("draft_tokens", (1, d, k), np.int64),
+                                                 ("draft_logits", (1, d, k), np.float32), last))
         binding.session.run_with_iobinding(binding.io)
         seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
-        drafted, top, mass = drafted[0], top[0], mass[0]   # read before the next run
-        probability = np.exp(top - top[:, :1]) / mass
+        drafted, top, last = drafted[0], top[0], last[0, :, 0]   # read before the next run
+        if noise is not None:
+            return ChainDraft(drafted[np.arange(d), last].tolist(), [], [], [], list(drafted.copy()), list(top.copy()))
+        probability = np.exp(top - top[:, :1]) / last[:, None]
         return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
                           drafted[:, 1].tolist(), probability[:, 1].tolist(), [], [])
 
