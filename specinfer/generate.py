@@ -25,7 +25,7 @@ from .engines.runtime import Runtime
 from .errors import SpecInferError
 from .lookup import LookupDrafter
 from .sampling import SamplingParams
-from .speculate import DYNAMIC_DEPTH, SSMDrafter, check_vocab
+from .speculate import DYNAMIC_DEPTH, Drafting, SSMDrafter, check_vocab, run_drafts
 from .tree import TokenTree, merge
 from .tree_sizing import TreeSizer, acceptance, step_cost
 from .verify import SAMPLING_RULES, verify
@@ -155,6 +155,14 @@ class LocalSpeculator:
     def propose(self, root: int, budget: int) -> TokenTree:
         """Draft from ``root`` and merge the drafts into one tree of at most ``budget`` nodes (the
         drafters first learn last step's verdict)."""
+        (tree,) = run_drafts([self.proposing(root, budget)])
+        if isinstance(tree, BaseException):
+            raise tree
+        return tree
+
+    def proposing(self, root: int, budget: int) -> Drafting:
+        """:meth:`propose` as a draft in progress, whose SSM calls a scheduler makes together with
+        other sequences' (:func:`~specinfer.speculate.run_drafts`)."""
         t0 = time.perf_counter()
         trees, lead = [], 0.0
         if self.lookup is not None:   # first, as an SSM need not run where the lookup's draft is better
@@ -166,9 +174,11 @@ class LocalSpeculator:
         for d in self.drafters:
             if self.last_path:
                 d.commit(self.last_path)  # the SSMs learn last step's verdict before they draft
-            trees.append(d.draft(root, self.tree, self.params, self.rng, budget, lead))
-        self.last_path = []
         self._draft_seconds = time.perf_counter() - t0
+        for d in self.drafters:
+            trees.append((yield from d.drafting(root, self.tree, self.params, self.rng, budget, lead)))
+            self._draft_seconds += d.seconds
+        self.last_path = []
         self.stats.ssm_seconds += self._draft_seconds
         return merge(trees, budget)[0] if trees else TokenTree(root)
 

@@ -4,7 +4,8 @@ Every request runs :func:`specinfer.generate.decode` (the one loop) on its own t
 :class:`BatchedSpeculator`. Its ``start`` and ``step`` do not run the models: they hand the work
 to the scheduler's thread and wait. That thread takes whatever is ready, as one batch:
 
-    drafts: each sequence's SSMs and lookup draft and merge its tree    (LocalSpeculator.propose)
+    drafts: each sequence's SSMs and lookup draft and merge its tree    (LocalSpeculator.proposing),
+            each SSM for all sequences in one run                       (speculate.run_drafts)
     one LLM call scores every tree and new prompts (by chunks)           (Runtime.score_batch)
     each sequence verifies its tree and commits the accepted path        (LocalSpeculator.settle)
 
@@ -42,7 +43,7 @@ from .engines.runtime import Runtime
 from .errors import RequestError, ServerBusy, SpecInferError
 from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
-from .speculate import check_vocab
+from .speculate import check_vocab, run_drafts
 from .tree import TokenTree
 
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
@@ -295,13 +296,15 @@ class Scheduler:
         running = max(len(steps), len(self.running))
         share = max(MIN_TREE, self.batch_tree_tokens // running if running > 1 else DEFAULT_BUDGET)
         t0 = time.perf_counter()
-        trees = {}
-        for job in steps:
-            try:
-                trees[id(job)] = job.tree if job.tree is not None else \
-                    job.spec.local.propose(job.root, min(job.budget, share))
-            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
-                job.finish(error=e)
+        trees = {id(job): job.tree for job in steps if job.tree is not None}
+        drafting = [job for job in steps if job.tree is None]
+        # Every sequence's drafts together: each SSM drafts for all of them in one run a round.
+        for job, tree in zip(drafting, run_drafts([job.spec.local.proposing(job.root, min(job.budget, share))
+                                                   for job in drafting])):
+            if isinstance(tree, BaseException):   # this request fails, the batch goes on
+                job.finish(error=tree)
+            else:
+                trees[id(job)] = tree
         chunks = self._prefill_chunks(starts, chunked=bool(steps))
         for job in starts:
             if job.prefilled + len(chunks[id(job)]) == len(job.prefix):   # its prompt's last chunk

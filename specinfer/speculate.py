@@ -10,7 +10,7 @@ depth we do not build, and if accepted they become next step's catch-up, so no K
 from __future__ import annotations
 
 import time
-from typing import Hashable, Sequence
+from typing import Generator, Hashable, Sequence
 
 import numpy as np
 
@@ -116,6 +116,55 @@ def sample_without_replacement(p: np.ndarray, k: int, rng: np.random.Generator) 
     return out
 
 
+# A draft in progress: a generator that yields each drafter call it needs, as (runtime, (seq_id,
+# tokens, depth, noise)), is sent back (the ChainDraft, the call's seconds), and returns its tree.
+Drafting = Generator[tuple[Runtime, tuple], tuple[ChainDraft, float], TokenTree]
+
+
+def run_drafts(draftings: Sequence[Generator]) -> list:
+    """Run drafts side by side: every round, the drafter calls they wait on go to each runtime in
+    one :meth:`Runtime.draft_chains` call (many sequences' drafts in one model run), each draft
+    charged its share of the run's time. Returns what each returned, or the exception that ended it
+    (the others go on)."""
+    results: list = [None] * len(draftings)
+    waiting: dict[int, tuple[Runtime, tuple]] = {}
+
+    def resume(i: int, sent) -> None:
+        try:
+            if isinstance(sent, BaseException):
+                waiting[i] = draftings[i].throw(sent)
+            else:
+                waiting[i] = draftings[i].send(sent)
+        except StopIteration as done:
+            results[i] = done.value
+        except Exception as e:  # noqa: BLE001 - this draft fails, the others go on
+            results[i] = e
+
+    for i in range(len(draftings)):
+        resume(i, None)
+    while waiting:
+        by_runtime: dict[int, list[int]] = {}
+        for i, (runtime, _) in waiting.items():
+            by_runtime.setdefault(id(runtime), []).append(i)
+        now, waiting = waiting, {}
+        for members in by_runtime.values():
+            runtime, calls = now[members[0]][0], [now[i][1] for i in members]
+            started = time.perf_counter()
+            try:
+                parts = runtime.draft_chains(calls)
+            except Exception:  # noqa: BLE001 - find the call that fails: only its draft fails
+                parts = []
+                for call in calls:
+                    try:
+                        parts.append(runtime.draft_chain(*call))
+                    except Exception as e:  # noqa: BLE001
+                        parts.append(e)
+            share = (time.perf_counter() - started) / len(members)
+            for i, part in zip(members, parts):
+                resume(i, part if isinstance(part, BaseException) else (part, share))
+    return results
+
+
 class SSMDrafter:
     """One SSM's sequence in its Runtime: drafts a tree per step and commits what was accepted."""
 
@@ -133,6 +182,7 @@ class SSMDrafter:
         self.catch_up: list[int] = []            # accepted tokens this SSM has not scored yet
         self._tree: TokenTree | None = None      # the draft awaiting commit
         self._slot: dict[int, int] = {}          # scored tree node -> its pending index in the runtime
+        self.seconds = 0.0                        # what the last draft cost (see drafting)
         self._call_seconds: dict[int, float] = {}   # a draft_chain call's seconds by its tokens (moving averages)
         self._kept = float(DYNAMIC_DEPTH)          # chain tokens the sizer keeps (moving average)
         # With a sizer: the SSM's acceptance record, and the draft's candidates as
@@ -156,7 +206,16 @@ class SSMDrafter:
 
     def draft(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
               budget: int, lead: float = 0.0) -> TokenTree:
-        """Grow a tree from ``root``: depth d gives each frontier node ``widths[d-1]`` children
+        """:meth:`drafting` run alone: this SSM's tree from ``root``."""
+        (tree,) = run_drafts([self.drafting(root, widths, params, rng, budget, lead)])
+        if isinstance(tree, BaseException):
+            raise tree
+        return tree
+
+    def drafting(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
+                 budget: int, lead: float = 0.0) -> Drafting:
+        """Grow a tree from ``root`` (a :data:`Drafting`: its chain drafts are yielded to
+        :func:`run_drafts`, which makes many sequences' together): depth d gives each frontier node ``widths[d-1]`` children
         (greedy: the SSM's top tokens; sampling: distinct draws from its shaped distribution).
 
         The first Runtime call scores ``self.catch_up + [root]``, each later depth one more call.
@@ -164,8 +223,16 @@ class SSMDrafter:
         capacity: it shrinks rather than fails; under ``SSM_MIN_BUDGET`` it is the root alone, with
         no call. Proposals carry this SSM's ``index``. ``lead``
         (dynamic tree): the expected speedup of the step's drafts that cost no model call; the
-        SSM drafts only if its own drafts have been expected to do better.
+        SSM drafts only if its own drafts have been expected to do better. :attr:`seconds` is then
+        what the draft cost: its own time and its share of the drafter runs it was in.
         """
+        started, self.seconds = time.perf_counter(), 0.0
+        tree = yield from self._drafting(root, widths, params, rng, budget, lead)
+        self.seconds += time.perf_counter() - started
+        return tree
+
+    def _drafting(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
+                  budget: int, lead: float) -> Drafting:
         if self._tree is not None:
             raise SpecInferError("draft called twice without a commit in between")
         chain = self.catch_up + [int(root)]
@@ -184,7 +251,8 @@ class SSMDrafter:
             # The dynamic tree drafts the SSM's top tokens (deterministic candidates, which its sizer
             # rates by their probability); a fixed chain under sampling draws its tokens.
             sampled = None if params.greedy or self.sizer is not None else (rng, draft_temperature(params))
-            return self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1), budget, sampled)
+            return (yield from self._draft_chain(chain, tree, min(len(widths), budget - 1, free - len(chain) + 1),
+                                                 budget, sampled))
         logits = self.runtime.score(self.seq, chain)
         pending = len(chain)
         self._slot[0] = pending - 1
@@ -216,7 +284,7 @@ class SSMDrafter:
         return tree
 
     def _draft_chain(self, chain: list[int], tree: TokenTree, depth: int, budget: int,
-                     sampled: tuple[np.random.Generator, float] | None = None) -> TokenTree:
+                     sampled: tuple[np.random.Generator, float] | None = None) -> Drafting:
         """A chain of up to ``depth`` tokens, drafted in chunks of at most the runtime's
         :attr:`Runtime.draft_depth` (with a sizer, the first chunk ``DEPTH_MARGIN`` more than the
         chain tokens the sizer has been keeping) and cut where the SSM's confidence falls below
@@ -239,20 +307,20 @@ class SSMDrafter:
         if self.sizer is not None:
             size = min(size, int(np.ceil(self._kept)) + DEPTH_MARGIN)
         while True:
-            start = time.perf_counter()
             size = min(size, depth - len(draft.tokens))
-            if sampled is None:
-                part = self.runtime.draft_chain(self.seq, inputs, size)
-            else:
+            noise = None
+            if sampled is not None:
                 rng, temperature = sampled
                 noise = (temperature * rng.gumbel(size=(size, self.runtime.draft_candidates))).astype(np.float32)
-                part = self.runtime.draft_chain(self.seq, inputs, size, noise)
+            suspended = time.perf_counter()
+            part, seconds = yield self.runtime, (self.seq, inputs, size, noise)
+            self.seconds -= time.perf_counter() - suspended - seconds   # others' drafts are not this one's
+            if sampled is not None:
                 # Each token's proposal: the distribution it was drawn from; its likeliest token's
                 # probability there is the SSM's confidence at the token's parent.
                 for candidates, logits in zip(part.candidates, part.candidate_logits):
                     q.append(draft_distribution(candidates, logits, temperature, self.runtime.vocab_size))
                     part.probability.append(float(q[-1].max()))
-            seconds = time.perf_counter() - start
             self._call_seconds[size] = self._call_seconds.get(size, seconds) * 0.8 + 0.2 * seconds
             for mine, theirs in zip(draft, part):
                 mine += theirs

@@ -299,6 +299,48 @@ def test_a_shorter_draft_runs_a_cut_drafter_that_drafts_the_full_ones_first_step
         truncate_drafter(graph, d + 1)
 
 
+def test_many_sequences_drafts_in_one_call_are_each_ones_draft_alone(exported):
+    """draft_chains drafts several sequences' chains in one run of the batched drafter, greedy
+    and sampled ones side by side, of different catch-ups, depths and context lengths, and a
+    batch size with spare slots: each sequence's draft is bit for bit what it drafts alone, and so
+    is its cache after commit (the next scores equal). A chain the drafter cannot hold runs alone."""
+    rt, alone = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    d, k = rt.draft_depth, rt.draft_candidates
+    rng = np.random.default_rng(11)
+    calls = []   # (prompt, tokens, depth, noise)
+    for i in range(8):
+        noise = None if i % 3 else (0.9 * rng.gumbel(size=(d, k))).astype(np.float32)
+        depth = [3, d, 2, 5, 1, 4, d, 2][i]
+        calls.append(((PROMPT * 3)[:5 + 2 * i], [7, 8, 9][:1 + i % 3], depth, None if noise is None else noise[:depth]))
+    drafts = []
+    for runtime in (rt, alone):
+        seqs = [runtime.start() for _ in calls]
+        for seq, (prompt, *_) in zip(seqs, calls):
+            runtime.prefill(seq, prompt)
+        chains = [(seq, tokens, depth, noise) for seq, (_, tokens, depth, noise) in zip(seqs, calls)]
+        out = runtime.draft_chains(chains) if runtime is rt else [runtime.draft_chain(*c) for c in chains]
+        after = []
+        for seq, draft, (_, tokens, depth, _) in zip(seqs, out, calls):
+            runtime.commit(seq, range(len(tokens) + min(depth, 2) - 1))
+            after.append(runtime.score(seq, [draft.tokens[min(depth, 2) - 1]]))
+        drafts.append((out, after))
+    (batched, after_batched), (single, after_single) = drafts
+    assert rt.batch_drafters == [("draft", d, 6), ("sampled_draft", d, 3)]   # 5 greedy in a batch of 6
+    for mine, theirs, depth in zip(batched, single, [c[2] for c in calls]):
+        assert len(mine.tokens) == depth
+        for a, b in zip(mine, theirs):
+            assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(a, b) for a, b in zip(after_batched, after_single))
+    seq = rt.start(capacity=len(PROMPT) + 4)
+    rt.prefill(seq, PROMPT)
+    other = rt.start()
+    rt.prefill(other, PROMPT)
+    near_full, roomy = rt.draft_chains([(seq, [7], 3, None), (other, [7], d, None)])
+    assert len(near_full.tokens) == 3 and len(roomy.tokens) == d
+    with pytest.raises(Exception, match="twice"):
+        rt.draft_chains([(other, [7], 2, None), (other, [8], 2, None)])
+
+
 def test_draft_chain_continues_only_a_chain(exported):
     rt = OrtRuntime(exported["llama3"])
     seq = rt.start()

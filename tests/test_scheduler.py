@@ -90,6 +90,22 @@ def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
     assert got == want and all(isinstance(g, list) and g for g in got)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
+def test_each_ssm_drafts_for_the_whole_batch_in_one_run_exactly_as_alone(models, params):
+    """Chains (greedy, and sampled: drawn in the drafter) of every request in a batch are drafted in
+    one run of each SSM's batched drafter, and each request's output is what it gives alone."""
+    llm, ssms = models
+    for ssm in ssms:
+        ssm.trim()
+    scheduler = Scheduler(llm, ssms, gather_seconds=0.01, batch_tree_tokens=4 * 64, idle_seconds=None)
+    got = run_together(scheduler, PROMPTS[:5], 30, params, tree=[1, 1, 1])
+    single = Scheduler(llm, ssms, idle_seconds=None)
+    want = [run_together(single, [p], 30, params, tree=[1, 1, 1])[0] for p in PROMPTS[:5]]
+    assert got == want and all(isinstance(g, list) and g for g in got)
+    kind = "draft" if params.greedy else "sampled_draft"
+    assert all(any(k == kind and size > 1 for k, _, size in ssm.batch_drafters) for ssm in ssms)
+
+
 def test_tree_budget_shrinks_as_the_batch_grows(models):
     llm, ssms = models
     seen = []

@@ -172,6 +172,9 @@ class OrtRuntime(Runtime):
         self.draft_candidates = self.manifest.get("draft_candidates", self.draft_candidates)
         self._draft_graphs: dict[str, object] = {}            # kind -> the export's drafter graph
         self._draft_sessions: dict[tuple[str, int], object] = {}   # (kind, steps) -> its session
+        # (kind, steps, batch size) -> the batched drafter's session, binding and each slot's cache
+        self._draft_batches: dict[tuple[str, int, int], tuple[object, _Binding, dict]] = {}
+        self._draft_scratch: SequenceState | None = None   # the batched drafter's spare slots' cache
         # batch size -> its session, its binding and the cache each slot has bound (made on first use)
         self._batched: dict[int, tuple[object, _Binding, dict]] = {}
         self._scratch: SequenceState | None = None   # the spare slots' cache
@@ -190,14 +193,7 @@ class OrtRuntime(Runtime):
         """A binding of ``session`` with the sequence's cache bound as its past and as every one of
         ``presents`` (per layer, its key and value output names): made once per sequence."""
         binding = _Binding(session)
-        kv = seq.kv
-        shape = (1,) + kv.shape[2:]
-        for layer, (pk, pv, *_) in enumerate(self._kv_names):
-            for kind, past in ((0, pk), (1, pv)):
-                address = kv[layer, kind].ctypes.data
-                binding.io.bind_input(past, "cpu", 0, np.float32, shape, address)
-                for present in presents[layer][kind::2]:
-                    binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
+        _bind_kv(binding.io, seq, [(pk, pv) for pk, pv, *_ in self._kv_names], presents)
         return binding
 
     def draft_chain(self, seq_id, tokens, depth: int, noise: np.ndarray | None = None) -> ChainDraft:
@@ -206,55 +202,152 @@ class OrtRuntime(Runtime):
         else one Runtime call per token (the base class)."""
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        c, d, m = len(tokens), depth, seq.pending
-        need = seq.length + m + c + d - 1
-        kind = "draft" if noise is None else "sampled_draft"
-        if (self._drafters.get(kind) is None or not 1 <= depth <= self.draft_depth or need > seq.limit
-                or (noise is not None and noise.shape[1] != self.draft_candidates)):
+        kind = self._drafter_fits(seq, tokens, depth, depth, noise)
+        if kind is None:
             return super().draft_chain(seq_id, tokens, depth, noise)
-        self._grow(seq, need)
-        self._check_pending_chain(seq_id)
-        self._check_tokens(tokens)
-        if (kind, d) not in seq.bindings:
+        self._before_draft(seq_id, seq, tokens, depth)
+        if (kind, depth) not in seq.bindings:
             from ..export.ort_lowering import drafter_present_names
 
-            steps = drafter_present_names(self.config.num_layers, d)
+            steps = drafter_present_names(self.config.num_layers, depth)
             per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
-            seq.bindings[kind, d] = self._bind_cache(self._draft_session(kind, d), seq, per_layer)
-        binding = seq.bindings[kind, d]
-        end = seq.length + m + c      # every new token sees all slots before its own: the prefix and the chain
+            seq.bindings[kind, depth] = self._bind_cache(self._draft_session(kind, depth), seq, per_layer)
+        binding = seq.bindings[kind, depth]
+        end = seq.length + seq.pending + len(tokens)   # every new token sees all slots before its own
         binding.feed("input_ids", tokens[None])
         binding.set("seqlens_k", end - 1)
         binding.set("total_sequence_length", end, ())
-        n = m + c + d - 1             # pending: the chain before, the tokens, every draft token but the last
-        if noise is None:             # each step's two likeliest tokens and its mass
-            k, last = 2, ("draft_mass", (1, d, 1), np.float32)
-        else:                         # each step's candidates and which of them its noise drew
-            k, last = self.draft_candidates, ("draft_choice", (1, d, 1), np.int64)
-            for j in range(d):
-                binding.feed(f"draft_noise.{j}", np.ascontiguousarray(noise[j], np.float32).reshape(1, 1, k), fresh=True)
-        drafted, top, last = binding.outputs_of((("draft_tokens", (1, d, k), np.int64),
-                                                 ("draft_logits", (1, d, k), np.float32), last))
-        binding.session.run_with_iobinding(binding.io)
-        seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
-        drafted, top, last = drafted[0], top[0], last[0, :, 0]   # read before the next run
         if noise is not None:
-            return ChainDraft(drafted[np.arange(d), last].tolist(), [], [], [], list(drafted.copy()), list(top.copy()))
-        probability = np.exp(top - top[:, :1]) / last[:, None]
-        return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
-                          drafted[:, 1].tolist(), probability[:, 1].tolist(), [], [])
+            for j in range(depth):
+                binding.feed(f"draft_noise.{j}", np.ascontiguousarray(noise[j], np.float32).reshape(1, 1, -1), fresh=True)
+        outputs = binding.outputs_of(self._draft_outputs(kind, depth))
+        binding.session.run_with_iobinding(binding.io)
+        self._after_draft(seq, len(tokens), depth)
+        return _chain_draft(*(o[0] for o in outputs), depth, sampled=noise is not None)
+
+    def draft_chains(self, calls) -> list[ChainDraft]:
+        """Several sequences' chains in one run of the drafter rewritten for that many sequences
+        (:func:`~specinfer.export.ort_lowering.batch_drafter`), greedy and sampled ones apart, each
+        drafted as deep as the deepest of its kind (the extra tokens are left pending, which the
+        contract allows). A call that does not fit the drafter runs alone (:meth:`draft_chain`)."""
+        if len({c[0] for c in calls}) != len(calls):
+            raise SpecInferError("a sequence appears twice in one batch")
+        depth = {kind: max((c[2] for c in calls if (c[3] is None) == (kind == "draft")), default=0)
+                 for kind in ("draft", "sampled_draft")}
+        groups: dict[str, list[int]] = {"draft": [], "sampled_draft": []}
+        out: list = [None] * len(calls)
+        for i, (seq_id, tokens, d, noise) in enumerate(calls):
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            kind = "draft" if noise is None else "sampled_draft"
+            if self._drafter_fits(self._get(seq_id), tokens, d, depth[kind], noise) is not None:
+                groups[kind].append(i)
+        for kind, members in groups.items():
+            if len(members) < 2:
+                continue
+            for first in range(0, len(members), BATCH_SIZES[-1]):
+                chunk = members[first:first + BATCH_SIZES[-1]]
+                for i, draft in zip(chunk, self._draft_batch(kind, [calls[i] for i in chunk], depth[kind])):
+                    out[i] = draft
+        return [draft if draft is not None else self.draft_chain(*call) for draft, call in zip(out, calls)]
+
+    def _drafter_fits(self, seq: SequenceState, tokens: np.ndarray, depth: int, run_depth: int,
+                      noise: np.ndarray | None) -> str | None:
+        """The drafter that drafts this chain in one run of ``run_depth`` steps (None: none does)."""
+        kind = "draft" if noise is None else "sampled_draft"
+        if (self._drafters.get(kind) is None or not 1 <= depth <= run_depth <= self.draft_depth
+                or seq.length + seq.pending + len(tokens) + run_depth - 1 > seq.limit
+                or (noise is not None and noise.shape[1] != self.draft_candidates)):
+            return None
+        return kind
+
+    def _before_draft(self, seq_id, seq: SequenceState, tokens: np.ndarray, run_depth: int) -> None:
+        self._grow(seq, seq.length + seq.pending + len(tokens) + run_depth - 1)
+        self._check_pending_chain(seq_id)
+        self._check_tokens(tokens)
+
+    @staticmethod
+    def _after_draft(seq: SequenceState, num_tokens: int, run_depth: int) -> None:
+        """The sequence's pending chain after a drafter run: the chain before, the tokens, every
+        draft token but the last."""
+        n = seq.pending + num_tokens + run_depth - 1
+        seq.parents, seq.depths = list(range(-1, n - 1)), list(range(n))
+
+    def _draft_outputs(self, kind: str, rows: int) -> tuple:
+        """A drafter's outputs for ``rows`` (steps x sequences): greedy, each step's two likeliest
+        tokens, their logits and its mass; sampled, its candidates, their logits and the draw."""
+        if kind == "draft":
+            k, last = 2, ("draft_mass", (1, rows, 1), np.float32)
+        else:
+            k, last = self.draft_candidates, ("draft_choice", (1, rows, 1), np.int64)
+        return (("draft_tokens", (1, rows, k), np.int64), ("draft_logits", (1, rows, k), np.float32), last)
+
+    def _draft_batch(self, kind: str, calls: list[tuple], depth: int) -> list[ChainDraft]:
+        """One run of the drafter of ``kind`` for ``depth`` steps over several sequences' chains."""
+        from ..export.ort_lowering import batch_drafter, drafter_present_names
+
+        n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
+        seqs, chains = [], []
+        for seq_id, tokens, _, _ in calls:
+            seq, tokens = self._get(seq_id), np.asarray(tokens, dtype=np.int64).reshape(-1)
+            self._before_draft(seq_id, seq, tokens, depth)
+            seqs.append(seq)
+            chains.append(tokens)
+        # Spare slots draft from one token on a scratch cache of their own.
+        scratch = self._draft_scratch = self._draft_scratch or SequenceState(self._allocate(self.draft_depth), 1, 1)
+        seqs += [scratch] * (size - n)
+        chains += [np.zeros(1, np.int64)] * (size - n)
+        key = (kind, depth, size)
+        entry = self._draft_batches.get(key)   # (read once: a trim may clear the dict meanwhile)
+        if entry is None:
+            session = self._open(batch_drafter(self._draft_graph(kind, depth), size))
+            entry = self._draft_batches[key] = (session, _Binding(session), {})
+        _, binding, bound = entry
+        steps = drafter_present_names(self.config.num_layers, depth)
+        for slot, seq in enumerate(seqs):
+            if bound.get(slot) != (seq.kv.ctypes.data, seq.kv.shape):
+                pasts = [(f"{pk}.{slot}", f"{pv}.{slot}") for pk, pv, *_ in self._kv_names]
+                presents = [[f"{name}.{slot}" for step in steps for name in step[2 * i:2 * i + 2]]
+                            for i in range(self.config.num_layers)]
+                _bind_kv(binding.io, seq, pasts, presents)
+                bound[slot] = (seq.kv.ctypes.data, seq.kv.shape)
+        sizes = np.asarray([len(c) for c in chains], dtype=np.int64)
+        binding.feed("input_ids", np.concatenate(chains)[None])
+        binding.feed("slot_tokens", sizes)
+        binding.feed("last_rows", np.cumsum(sizes) - 1)
+        for slot, (seq, chain) in enumerate(zip(seqs, chains)):
+            end = (seq.length + seq.pending + len(chain)) if slot < n else 1
+            binding.set(f"seqlens_k.{slot}", end - 1)
+            binding.set(f"total_sequence_length.{slot}", end, ())
+        if kind == "sampled_draft":   # each sequence's noise for its steps; zeros past them
+            noise = np.zeros((depth, size, self.draft_candidates), np.float32)
+            for slot, (_, _, d, call_noise) in enumerate(calls):
+                noise[:d, slot] = call_noise[:d]
+            for j in range(depth):
+                binding.feed(f"draft_noise.{j}", noise[j][None])
+        outputs = binding.outputs_of(self._draft_outputs(kind, depth * size))
+        binding.session.run_with_iobinding(binding.io)
+        drafts = []
+        for slot, (seq, chain, (_, _, d, _)) in enumerate(zip(seqs, chains, calls)):
+            self._after_draft(seq, len(chain), depth)
+            rows = [o[0].reshape(depth, size, -1)[:d, slot] for o in outputs]
+            drafts.append(_chain_draft(*rows, d, sampled=kind == "sampled_draft"))
+        return drafts
 
     def _draft_session(self, kind: str, steps: int):
         """The drafter of ``kind`` cut to ``steps`` steps, opened at its first use."""
         if (kind, steps) not in self._draft_sessions:
-            import onnx
-
-            from ..export.ort_lowering import truncate_drafter
-
-            if kind not in self._draft_graphs:
-                self._draft_graphs[kind] = onnx.load(self.dir / self._drafters[kind], load_external_data=False)
-            self._draft_sessions[kind, steps] = self._open(truncate_drafter(self._draft_graphs[kind], steps))
+            self._draft_sessions[kind, steps] = self._open(self._draft_graph(kind, steps))
         return self._draft_sessions[kind, steps]
+
+    def _draft_graph(self, kind: str, steps: int):
+        """The export's drafter of ``kind`` cut to ``steps`` steps (:func:`truncate_drafter`)."""
+        import onnx
+
+        from ..export.ort_lowering import truncate_drafter
+
+        if kind not in self._draft_graphs:
+            self._draft_graphs[kind] = onnx.load(self.dir / self._drafters[kind], load_external_data=False)
+        return truncate_drafter(self._draft_graphs[kind], steps)
 
     def _forward(self, seq: SequenceState, tokens, positions, visible, last_only: bool = False) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
@@ -339,11 +432,7 @@ class OrtRuntime(Runtime):
             if bound.get(slot) == key:
                 continue
             inputs, outputs = slot_names(self.config.num_layers, slot)
-            shape = (1,) + seq.kv.shape[2:]
-            for j, (past, present) in enumerate(zip(inputs[3:], outputs)):
-                address = seq.kv[j // 2, j % 2].ctypes.data
-                binding.io.bind_input(past, "cpu", 0, np.float32, shape, address)
-                binding.io.bind_output(present, "cpu", 0, np.float32, shape, address)
+            _bind_kv(binding.io, seq, list(zip(inputs[3::2], inputs[4::2])), [[k, v] for k, v in zip(outputs[::2], outputs[1::2])])
             bound[slot] = key
         return binding
 
@@ -351,6 +440,11 @@ class OrtRuntime(Runtime):
     def batch_sessions(self) -> list[int]:
         """The batch sizes that have a session now."""
         return sorted(self._batched)
+
+    @property
+    def batch_drafters(self) -> list[tuple[str, int, int]]:
+        """The batched drafters that have a session now, as (kind, steps, batch size)."""
+        return sorted(self._draft_batches)
 
     def trim(self) -> None:
         """Drop the batched sessions (each holds a prepacked copy of the weights: 48 MB for the
@@ -363,6 +457,8 @@ class OrtRuntime(Runtime):
         self._scratch = None
         self.session = self._open(self._lowered)
         self._draft_sessions.clear()
+        self._draft_batches.clear()
+        self._draft_scratch = None
 
 
 # Batch sizes with a session of their own (a batch runs on the smallest that holds it; a larger
@@ -374,6 +470,31 @@ def _numbered_by_the_kernel(start: int, positions: np.ndarray) -> bool:
     """Whether a call of several tokens on an empty cache is one GroupQueryAttention would number
     0..T-1 itself (it takes it for a prompt and ignores position_ids), wrongly for a tree."""
     return start == 0 and len(positions) > 1 and bool((positions != np.arange(len(positions))).any())
+
+
+def _bind_kv(io, seq: SequenceState, pasts: list[tuple[str, str]], presents: list[list[str]]) -> None:
+    """Bind the sequence's cache in place: layer i's key and value as inputs ``pasts[i]`` and as
+    every one of outputs ``presents[i]`` (key and value names alternating)."""
+    shape = (1,) + seq.kv.shape[2:]
+    for layer, names in enumerate(pasts):
+        for kind, past in enumerate(names):
+            address = seq.kv[layer, kind].ctypes.data
+            io.bind_input(past, "cpu", 0, np.float32, shape, address)
+            for present in presents[layer][kind::2]:
+                io.bind_output(present, "cpu", 0, np.float32, shape, address)
+
+
+def _chain_draft(drafted: np.ndarray, top: np.ndarray, last: np.ndarray, depth: int, sampled: bool) -> ChainDraft:
+    """A drafter's outputs for one sequence (rows: its steps; read before the next run) as a
+    :class:`ChainDraft` of its first ``depth`` steps: greedy, the two likeliest tokens and their
+    probabilities from their logits and the mass; sampled, the candidates, their logits and the
+    token drawn."""
+    drafted, top, last = drafted[:depth], top[:depth], last[:depth, 0]
+    if sampled:
+        return ChainDraft(drafted[np.arange(depth), last].tolist(), [], [], [], list(drafted.copy()), list(top.copy()))
+    probability = np.exp(top - top[:, :1]) / last[:, None]
+    return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
+                      drafted[:, 1].tolist(), probability[:, 1].tolist(), [], [])
 
 
 class _Binding:

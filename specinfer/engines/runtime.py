@@ -299,6 +299,14 @@ class Runtime(abc.ABC):
                 logits = self.score(seq_id, [first])[0]
         return draft
 
+    def draft_chains(self, calls: Sequence[tuple]) -> list[ChainDraft]:
+        """:meth:`draft_chain` for several sequences, ``(seq_id, tokens, depth, noise)`` each (noise
+        None: greedy), in one model run where the engine can (many requests' drafts made
+        together); their drafts in order, each as :meth:`draft_chain` makes it alone."""
+        if len({c[0] for c in calls}) != len(calls):
+            raise SpecInferError("a sequence appears twice in one batch")
+        return [self.draft_chain(*call) for call in calls]
+
     def _check_pending_chain(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)
         if seq.parents != list(range(-1, seq.pending - 1)):

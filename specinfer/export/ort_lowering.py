@@ -526,3 +526,103 @@ def batch_sequences(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
     out = helper.make_model(batched, opset_imports=list(model.opset_import), ir_version=model.ir_version,
                             producer_name=model.producer_name)
     return out
+
+
+def batch_drafter(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
+    """A drafter (:func:`lower_drafter`, cut or not) rewritten to draft a chain for each of
+    ``slots`` sequences in one run, each over its own KV cache: the SSMs' drafts of many requests
+    in one call, whose weights are read once for all of them and whose ~30 kernels a step are paid
+    once, not once per request.
+
+    As in :func:`batch_sequences`, the sequences' tokens go in as one row: ``input_ids`` [1, C1 +
+    ... + Cn] (each sequence's tokens to score, its root last) with ``slot_tokens`` int64 [n] = (C1,
+    ..., Cn) and ``last_rows`` int64 [n] (each one's last row, C1 - 1, C1 + C2 - 1, ...); every
+    later step drafts one token per sequence. Each layer of each step splits its packed q|k|v by
+    sequence and runs one attention per sequence on that sequence's cache (``past_key.<layer>.<slot>``,
+    bound in place as its every step's present too) with its own ``seqlens_k.<slot>`` and
+    ``total_sequence_length.<slot>``. Outputs are the drafter's with the sequences side by side:
+    ``draft_tokens`` [1, depth x n, K] step-major (step j of sequence s at row j x n + s), and so
+    ``draft_logits`` and ``draft_mass``/``draft_choice``; a sampled drafter's ``draft_noise.<j>`` is
+    [1, n, K]. Each sequence's rows are what the drafter computes for it alone: the same kernels
+    on its own rows."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    per_slot = {"seqlens_k", "total_sequence_length"}   # values each sequence has its own of
+    per_slot.update(i.name for i in graph.input if i.name.startswith("past_"))
+    depth = next(o for o in graph.output if o.name == "draft_tokens").type.tensor_type.shape.dim[1].dim_value
+    constants = [numpy_helper.from_array(np.ones(slots, np.int64), "slot_ones"),
+                 numpy_helper.from_array(np.arange(slots, dtype=np.int64), "slot_rows"),
+                 numpy_helper.from_array(np.array([1, slots], np.int64), "slot_token_shape")]
+    nodes = []
+
+    def slot(name: str, s: int) -> str:
+        return f"{name}.{s}" if name in per_slot else name
+
+    for node in graph.node:
+        step0 = node.output[0].startswith("step0/")
+        if node.op_type == "GroupQueryAttention":
+            qkv, attn = node.input[0], node.output[0]
+            nodes.append(helper.make_node("Split", [qkv, "slot_tokens" if step0 else "slot_ones"],
+                                          [f"{qkv}.{s}" for s in range(slots)], name=f"{qkv}.split", axis=1))
+            for s in range(slots):
+                inputs = [f"{qkv}.{s}"] + [slot(name, s) for name in node.input[1:]]
+                copy = helper.make_node(node.op_type, inputs, [f"{o}.{s}" for o in node.output],
+                                        name=f"{node.name}.{s}", domain=node.domain)
+                copy.attribute.extend(node.attribute)
+                nodes.append(copy)
+            nodes.append(helper.make_node("Concat", [f"{attn}.{s}" for s in range(slots)], [attn],
+                                          name=f"{attn}.concat", axis=1))
+        elif any(name in per_slot for name in node.input):   # a step's seqlens_k and total: per sequence
+            for s in range(slots):
+                copy = onnx.NodeProto()
+                copy.CopyFrom(node)
+                copy.name = f"{node.name}.{s}"
+                copy.input[:] = [slot(name, s) for name in node.input]
+                copy.output[:] = [f"{o}.{s}" for o in node.output]
+                nodes.append(copy)
+            per_slot.update(node.output)
+        else:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            # The last token's row: of each sequence at step 0, and every row (one a sequence) after.
+            copy.input[:] = [("last_rows" if step0 else "slot_rows") if name == "last_index" else
+                             "slot_token_shape" if name == "token_shape" else name for name in node.input]
+            nodes.append(copy)
+
+    def renamed(value, name: str, dims: dict[int, object] | None = None):
+        copy = onnx.ValueInfoProto()
+        copy.CopyFrom(value)
+        copy.name = name
+        for i, dim in enumerate(copy.type.tensor_type.shape.dim):
+            if dims and i in dims:
+                dim.Clear()
+                if isinstance(dims[i], int):
+                    dim.dim_value = dims[i]
+                else:
+                    dim.dim_param = dims[i]
+            elif dim.dim_param:
+                dim.dim_param = f"{dim.dim_param}.{name.rsplit('.', 1)[1]}"
+        return copy
+
+    inputs = [helper.make_tensor_value_info("slot_tokens", TensorProto.INT64, [slots]),
+              helper.make_tensor_value_info("last_rows", TensorProto.INT64, [slots])]
+    for value in graph.input:
+        if value.name in per_slot:
+            inputs += [renamed(value, f"{value.name}.{s}") for s in range(slots)]
+        elif value.name.startswith("draft_noise."):
+            inputs.append(renamed(value, value.name, {1: slots}))
+        else:
+            inputs.append(value)
+    outputs = []
+    for value in graph.output:
+        if value.name in DRAFT_OUTPUTS:
+            outputs.append(renamed(value, value.name, {1: depth * slots}))
+        else:
+            outputs += [renamed(value, f"{value.name}.{s}") for s in range(slots)]
+    used = {name for node in nodes for name in node.input}
+    batched = helper.make_graph(nodes, f"{graph.name}_x{slots}", inputs, outputs,
+                                [t for t in list(graph.initializer) + constants if t.name in used])
+    return helper.make_model(batched, opset_imports=list(model.opset_import), ir_version=model.ir_version,
+                             producer_name=model.producer_name)
