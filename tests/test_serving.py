@@ -236,15 +236,17 @@ def test_the_llm_model_keeps_kv_under_its_budget(served_pair):
     assert model.scheduler.reserved == 0 and llm.sequences() == []
 
 
-def test_the_llm_model_verifies_a_batch_of_requests_in_one_call(served_pair, monkeypatch):
-    """handle_batch (what Triton's batcher hands the llm model): the prompts go in with one LLM call,
-    then each step verifies every sequence's tree with one call; every sequence decodes as it does
-    alone, and a bad request in the batch fails alone."""
+def test_the_llm_and_ssm_models_serve_a_batch_of_requests_in_one_call(served_pair, monkeypatch):
+    """handle_batch (what Triton's batcher hands the llm and ssm models): the prompts go in with one
+    LLM call, then each step drafts every sequence's chain with one SSM call and verifies every
+    sequence's tree with one LLM call; every sequence decodes as it does alone, and a bad request
+    in a batch fails alone."""
     llm, ssm = OrtRuntime(served_pair["llm"]), OrtRuntime(served_pair["ssms"][0])
-    verify_model, draft_model = VerifyModel(llm), DraftModel(ssm, 0, "2,1,1")
-    calls = []
-    real = llm.score_batch
+    verify_model, draft_model = VerifyModel(llm), DraftModel(ssm, 0, "1,1,1")
+    calls, drafts = [], []
+    real, real_drafts = llm.score_batch, ssm.draft_chains
     monkeypatch.setattr(llm, "score_batch", lambda batch: calls.append(len(batch)) or real(batch))
+    monkeypatch.setattr(ssm, "draft_chains", lambda batch: drafts.append(len(batch)) or real_drafts(batch))
     text = lambda s: np.array([s.encode()], dtype=object)
 
     def decode(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -254,9 +256,11 @@ def test_the_llm_model_verifies_a_batch_of_requests_in_one_call(served_pair, mon
         for n, p in prompts.items():
             draft_model.start(n, p[:-1], SamplingParams())
         for _ in range(4):
-            steps = [{"op": text("step"), "sequence_id": text(n)}
-                     | draft_model.handle({"op": text("step"), "sequence_id": text(n), "tokens": ids(*accepted[n]),
-                                           "root": ids(roots[n]), "budget": np.array([8], np.int32)}) for n in prompts]
+            asks = [{"op": text("step"), "sequence_id": text(n), "tokens": ids(*accepted[n]), "root": ids(roots[n]),
+                     "budget": np.array([8], np.int32)} for n in prompts]
+            trees = draft_model.handle_batch(asks + [asks[0] | {"sequence_id": text("nobody")}])
+            assert isinstance(trees[-1], SpecInferError) and "unknown sequence" in str(trees[-1])
+            steps = [{"op": text("step"), "sequence_id": text(n)} | tree for n, tree in zip(prompts, trees)]
             answers = verify_model.handle_batch(steps + [steps[0] | {"sequence_id": text("nobody")}])
             assert isinstance(answers[-1], SpecInferError) and "unknown sequence" in str(answers[-1])
             for n, a in zip(prompts, answers):
@@ -270,6 +274,7 @@ def test_the_llm_model_verifies_a_batch_of_requests_in_one_call(served_pair, mon
     prompts = {"a": [1, 5, 9, 13], "b": [7, 3], "c": [2, 2, 2, 4, 6]}
     together = decode(prompts)
     assert calls == [3] * 5   # the three prompts, then each step's three trees
+    assert drafts == [3] * 4  # each step's three chains
     alone = {n: decode({n + "-alone": p})[n + "-alone"] for n, p in prompts.items()}
     assert together == alone and all(len(o) >= 4 for o in together.values())
     assert llm.sequences() == [] and ssm.sequences() == []

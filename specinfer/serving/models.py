@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from typing import Hashable
+from typing import Generator, Hashable
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from ..generate import DEFAULT_BUDGET
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
 from ..scheduler import PREFILL_CHUNK_TOKENS, Scheduler
-from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree
+from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree, run_drafts
 from ..tree import Proposal, TokenTree, merge
 from ..tree_sizing import StepCost, TreeSizer, acceptance
 from .request import Tensors, as_text, sampling_from, scalar, tree_spec, verification_rule
@@ -154,6 +154,16 @@ class _SequenceModel:
     sequences: _Sequences
     key: str | None = None     # the orchestrator's key; None: any caller (in-process use, tests)
 
+    def handle_batch(self, requests: list[Tensors]) -> list[Tensors | Exception]:
+        raise NotImplementedError
+
+    def handle(self, t: Tensors) -> Tensors:
+        """One request (see :meth:`handle_batch`): its outputs; raises what failed it."""
+        answer = self.handle_batch([t])[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
     def release(self, seq_id) -> bool:
         raise NotImplementedError
 
@@ -196,7 +206,16 @@ class DraftModel(_SequenceModel):
 
     def step(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
              tree: str | None = None) -> Tensors:
-        """``tree``: the request's tree spec, None for the model's default."""
+        """Commit last step's verdict (``accepted``, root first), then draft a tree from ``root``;
+        ``tree``: the request's tree spec, None for the model's default."""
+        (out,) = run_drafts([self.stepping(seq_id, accepted, root, params, budget, tree)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def stepping(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
+                 tree: str | None = None) -> Generator:
+        """:meth:`step` as a draft in progress (:func:`~specinfer.speculate.run_drafts` runs many)."""
         widths = parse_tree(tree or self.default_tree)
         if widths is None and self.sizer is None:
             raise RequestError("the dynamic tree needs the LLM's verification cost table, which this repository "
@@ -206,24 +225,35 @@ class DraftModel(_SequenceModel):
             drafter.commit(accepted)
         drafter.sizer = self.sizer if widths is None else None
         budget = budget if widths != [] else 1    # tree "none": incremental decoding
-        start = time.perf_counter()
-        draft = drafter.draft(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget)
+        draft = yield from drafter.drafting(root, widths or [1] * DYNAMIC_DEPTH, params, rng, budget)
         if drafter.sizer is not None and drafter.drafted:
-            drafter.sizer.observe(time.perf_counter() - start)
+            drafter.sizer.observe(drafter.seconds)
         return tree_to_tensors(draft, self.vocab_size)
 
-    def handle(self, t: Tensors) -> Tensors:
-        """One request of the ``ssm_<i>`` model: op start (prefill), step (commit + draft) or release."""
-        op, seq = _op_and_sequence(t, self.key)
-        if op == "start":
-            self.start(seq, _ids(t, "tokens"), sampling_from(t))
-        elif op == "release":
-            self.release(seq)
-        else:
-            tree = tree_spec(t) if t.get("tree") is not None else None
-            return self.step(seq, _ids(t, "tokens"), scalar(t, "root", "i", None), sampling_from(t),
-                             scalar(t, "budget", "i", DEFAULT_BUDGET), tree)
-        return tree_to_tensors(TokenTree(0), self.vocab_size)
+    def handle_batch(self, requests: list[Tensors]) -> list[Tensors | Exception]:
+        """Requests of the ``ssm_<i>`` model (op start: prefill; step: commit + draft; release),
+        the steps' drafts made together (one drafter run for all their chains); each one's
+        outputs, or the exception that failed it."""
+        answers: list = [None] * len(requests)
+        steps = []   # (request index, its draft in progress)
+        for i, t in enumerate(requests):
+            try:
+                op, seq = _op_and_sequence(t, self.key)
+                if op == "start":
+                    self.start(seq, _ids(t, "tokens"), sampling_from(t))
+                elif op == "release":
+                    self.release(seq)
+                else:
+                    tree = tree_spec(t) if t.get("tree") is not None else None
+                    steps.append((i, self.stepping(seq, _ids(t, "tokens"), scalar(t, "root", "i", None), sampling_from(t),
+                                                   scalar(t, "budget", "i", DEFAULT_BUDGET), tree)))
+                    continue
+                answers[i] = tree_to_tensors(TokenTree(0), self.vocab_size)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                answers[i] = e
+        for (i, _), out in zip(steps, run_drafts([drafting for _, drafting in steps])):
+            answers[i] = out
+        return answers
 
     def release(self, seq_id) -> bool:
         item = self.sequences.pop(seq_id)
@@ -249,8 +279,9 @@ class LookupModel(DraftModel):
     def _drafter(self, seq_id, params: SamplingParams) -> LookupDrafter:
         return LookupDrafter(self.index, self.sizer, acceptance(self, params, "lookup"), DYNAMIC_DEPTH)
 
-    def step(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
-             tree: str | None = None) -> Tensors:
+    def stepping(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
+                 tree: str | None = None) -> Generator:
+        yield from ()   # no model to run: done at the first resume
         drafter, _ = self.sequences.get(seq_id)
         if accepted:
             drafter.commit(accepted)
@@ -360,13 +391,6 @@ class VerifyModel(_SequenceModel):
                 path, bonus = result
                 answers[i] = self._answer(path, bonus, len(what) - 1)
         return answers
-
-    def handle(self, t: Tensors) -> Tensors:
-        """One request of the ``llm`` model (see :meth:`handle_batch`)."""
-        answer = self.handle_batch([t])[0]
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
 
     def _answer(self, path: list[int], bonus: int, drafted: int) -> Tensors:
         return {"accepted_tokens": np.asarray(path, dtype=np.int64), "bonus": np.array([bonus], dtype=np.int64),

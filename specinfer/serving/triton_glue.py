@@ -81,6 +81,23 @@ def handle(pb, request, names: list[str], fn: Callable[[Tensors], Tensors], mode
         return error(pb, e, model)
 
 
+def handle_batch(pb, requests, names: list[str], fn: Callable[[list[Tensors]], list], model: str, metric) -> list:
+    """Run ``fn`` on the inputs of a batch of requests (each a batch of one) at once, its time in
+    ``metric``; each request's response, or its error response (see :func:`error`): a request that
+    fails fails alone."""
+    answers, inputs = [None] * len(requests), []
+    for i, r in enumerate(requests):
+        try:
+            inputs.append((i, read(pb, r, names, batched=True)))
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            answers[i] = e
+    start = time.perf_counter()
+    for (i, _), out in zip(inputs, fn([t for _, t in inputs])):
+        answers[i] = out
+    metric.observe(time.perf_counter() - start)
+    return [error(pb, a, model) if isinstance(a, BaseException) else response(pb, a, batched=True) for a in answers]
+
+
 def bls(pb, model: str, inputs: Tensors) -> Tensors:
     """Call another model of the repository (Business Logic Scripting) and return its outputs. The
     repository's inner models batch (``max_batch_size`` >= 1; the llm model's batcher puts many
@@ -128,13 +145,6 @@ class Metrics:
         orchestrator, whose ``sequences`` and ``kv_bytes`` cover its models)."""
         self.active.set(len(model.sequences))
         self.kv_bytes.set(model.kv_bytes())
-
-
-def timed(fn: Callable[[], Tensors], metric) -> Tensors:
-    start = time.perf_counter()
-    out = fn()
-    metric.observe(time.perf_counter() - start)
-    return out
 
 
 # --- the serving process's own state: the orchestrator's key, stopping, idle sequences ---------------

@@ -13,7 +13,6 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 import triton_python_backend_utils as pb  # noqa: E402
 
 import threading  # noqa: E402
-import time  # noqa: E402
 
 from specinfer.engines.loader import load_runtime  # noqa: E402
 from specinfer.serving import triton_glue as glue  # noqa: E402
@@ -35,20 +34,14 @@ class TritonPythonModel:
         glue.reclaim_idle(self.model, self.lock, float(p["idle_timeout"]), self.metrics)
 
     def execute(self, requests):
-        answers, inputs = [None] * len(requests), []
-        for i, r in enumerate(requests):
-            try:
-                inputs.append((i, glue.read(pb, r, INPUTS, batched=True)))
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                answers[i] = e
         with self.lock:
-            start = time.perf_counter()
-            for (i, _), out in zip(inputs, self.model.handle_batch([t for _, t in inputs])):
-                answers[i] = out
-            self.metrics.step_seconds.observe(time.perf_counter() - start)
-            for out in answers:
-                if isinstance(out, dict) and len(out["accepted_tokens"]):
-                    self.metrics.accepted.observe(len(out["accepted_tokens"]))  # accepted speculation + bonus
+            responses = glue.handle_batch(pb, requests, INPUTS, self._verify, "llm", self.metrics.step_seconds)
             self.metrics.update(self.model)
-        return [glue.error(pb, a, "llm") if isinstance(a, BaseException) else glue.response(pb, a, batched=True)
-                for a in answers]
+        return responses
+
+    def _verify(self, inputs):
+        answers = self.model.handle_batch(inputs)
+        for out in answers:
+            if isinstance(out, dict) and len(out["accepted_tokens"]):
+                self.metrics.accepted.observe(len(out["accepted_tokens"]))  # accepted speculation + bonus
+        return answers

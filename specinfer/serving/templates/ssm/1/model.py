@@ -1,4 +1,6 @@
 """ssm_<i>: one speculative model; per sequence: prefill, then each step commit + draft a tree.
+Triton's dynamic batcher gives ``execute`` every request that came while the last batch ran, and
+their chains are drafted in one drafter run (specinfer.serving.models.DraftModel.handle_batch).
 The same with parameter drafter "lookup": the ``lookup`` draft model, which runs no model."""
 import json
 import os
@@ -40,8 +42,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         with self.lock:
-            out = [glue.handle(pb, r, INPUTS, lambda t: glue.timed(lambda: self.model.handle(t), self.metrics.step_seconds),
-                               self.name, batched=True)
-                   for r in requests]
+            responses = glue.handle_batch(pb, requests, INPUTS, self.model.handle_batch, self.name,
+                                          self.metrics.step_seconds)
             self.metrics.update(self.model)
-        return out
+        return responses
