@@ -6,6 +6,9 @@ yet (its *catch-up*) followed by the root (the last emitted token). The root's l
 children; each later depth is one call scoring all new frontier nodes together, their parents being
 pending nodes of earlier calls. The deepest nodes are never scored: their logits would only serve a
 depth we do not build, and if accepted they become next step's catch-up, so no KV is wasted.
+
+A draft is a generator that yields its chain drafts (:data:`Drafting`): :func:`run_drafts` runs
+many sequences' drafts side by side and makes each SSM's chains for all of them in one run.
 """
 from __future__ import annotations
 
@@ -214,9 +217,10 @@ class SSMDrafter:
 
     def drafting(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
                  budget: int, lead: float = 0.0) -> Drafting:
-        """Grow a tree from ``root`` (a :data:`Drafting`: its chain drafts are yielded to
-        :func:`run_drafts`, which makes many sequences' together): depth d gives each frontier node ``widths[d-1]`` children
-        (greedy: the SSM's top tokens; sampling: distinct draws from its shaped distribution).
+        """Grow a tree from ``root``, as a :data:`Drafting` (its chain drafts are yielded to
+        :func:`run_drafts`, which makes many sequences' together): depth d gives each frontier node
+        ``widths[d-1]`` children (greedy: the SSM's top tokens; sampling: distinct draws from its
+        shaped distribution).
 
         The first Runtime call scores ``self.catch_up + [root]``, each later depth one more call.
         The tree has at most ``budget`` nodes (root included) and never outgrows the runtime's

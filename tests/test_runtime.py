@@ -339,6 +339,11 @@ def test_many_sequences_drafts_in_one_call_are_each_ones_draft_alone(exported):
     assert len(near_full.tokens) == 3 and len(roomy.tokens) == d
     with pytest.raises(Exception, match="twice"):
         rt.draft_chains([(other, [7], 2, None), (other, [8], 2, None)])
+    rt.commit(seq, [])
+    rt.commit(other, [])
+    with pytest.raises(Exception, match="out of range"):   # before any sequence changes
+        rt.draft_chains([(other, [7], 2, None), (seq, [rt.vocab_size], 2, None)])
+    assert rt.draft_chains([(other, [7], 2, None), (seq, [7], 2, None)])[0].tokens == roomy.tokens[:2]
 
 
 def test_draft_chain_continues_only_a_chain(exported):

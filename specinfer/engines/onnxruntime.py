@@ -229,9 +229,13 @@ class OrtRuntime(Runtime):
         """Several sequences' chains in one run of the drafter rewritten for that many sequences
         (:func:`~specinfer.export.ort_lowering.batch_drafter`), greedy and sampled ones apart, each
         drafted as deep as the deepest of its kind (the extra tokens are left pending, which the
-        contract allows). A call that does not fit the drafter runs alone (:meth:`draft_chain`)."""
+        contract allows). A call that does not fit the drafter runs alone (:meth:`draft_chain`).
+        A bad call fails the batch before any sequence changes."""
         if len({c[0] for c in calls}) != len(calls):
             raise SpecInferError("a sequence appears twice in one batch")
+        for seq_id, tokens, _, _ in calls:
+            self._check_pending_chain(seq_id)
+            self._check_tokens(np.asarray(tokens, dtype=np.int64).reshape(-1))
         depth = {kind: max((c[2] for c in calls if (c[3] is None) == (kind == "draft")), default=0)
                  for kind in ("draft", "sampled_draft")}
         groups: dict[str, list[int]] = {"draft": [], "sampled_draft": []}
