@@ -168,9 +168,13 @@ class Scheduler:
         return sum(rt.kv_bytes() for rt in [self.llm] + self.ssms)
 
     def close(self) -> None:
+        """Refuse new requests and stop the scheduler's thread once the queued ones have run;
+        returns when it has (from then on it no longer touches the models, trims included)."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     # --- admission ---------------------------------------------------------------------------------
     def _admit(self, nbytes: int, tokens: int) -> None:
@@ -256,7 +260,7 @@ class Scheduler:
         request has run for ``idle_seconds``."""
         with self._run_lock:
             with self._lock:
-                if self._jobs or self._until_idle() != 0.0:
+                if self._jobs or self._closed or self._until_idle() != 0.0:
                     return
                 self._trimmed = True
             for runtime in [self.llm] + self.ssms:

@@ -18,6 +18,21 @@ PROMPTS = [[1, 294, 72, 308], [1, 5], [1] + list(range(100, 130)), [1, 33, 33, 3
            [1, 7, 8], [1, 60, 61], [1, 200, 201, 202, 203]]
 
 
+@pytest.fixture(autouse=True)
+def close_schedulers(monkeypatch):
+    """Each test's schedulers stop when it ends: an idle one trims the models it runs on
+    (``idle_seconds``), and these are shared with the next tests, which count their sessions."""
+    made, init = [], Scheduler.__init__
+
+    def init_and_keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(Scheduler, "__init__", init_and_keep)
+    yield
+    for scheduler in made:
+        scheduler.close()
+
+
 @pytest.fixture(scope="module")
 def models(served_pair):
     close, far = served_pair["ssms"]
@@ -76,6 +91,19 @@ def test_an_idle_scheduler_gives_the_batches_memory_back_and_batches_again_exact
     assert llm.session is not session           # a new one, without the old one's arena
     assert run_together(scheduler, PROMPTS[:4], 24) == want   # the sessions are made again
     assert llm.batch_sessions
+
+
+def test_a_closed_scheduler_refuses_requests_and_no_longer_touches_the_models(models):
+    llm, ssms = models
+    scheduler = Scheduler(llm, ssms[:1], idle_seconds=0.05)
+    assert run_together(scheduler, PROMPTS[:2], 8) == [alone(llm, p, 8) for p in PROMPTS[:2]]
+    scheduler.close()                               # returns once its thread has stopped
+    trims = scheduler.trims
+    assert not scheduler._thread.is_alive()
+    time.sleep(0.3)                                 # idle for longer than idle_seconds
+    assert scheduler.trims == trims
+    with pytest.raises(ServerBusy, match="closed"):
+        list(decode(scheduler.speculator(4), PROMPTS[0], 4))
 
 
 def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
