@@ -207,11 +207,10 @@ class OrtRuntime(Runtime):
             return super().draft_chain(seq_id, tokens, depth, noise)
         self._before_draft(seq_id, seq, tokens, depth)
         if (kind, depth) not in seq.bindings:
-            from ..export.ort_lowering import drafter_present_names
+            from ..export.ort_lowering import drafter_presents_by_layer
 
-            steps = drafter_present_names(self.config.num_layers, depth)
-            per_layer = [[n for step in steps for n in step[2 * i:2 * i + 2]] for i in range(self.config.num_layers)]
-            seq.bindings[kind, depth] = self._bind_cache(self._draft_session(kind, depth), seq, per_layer)
+            presents = drafter_presents_by_layer(self.config.num_layers, depth)
+            seq.bindings[kind, depth] = self._bind_cache(self._draft_session(kind, depth), seq, presents)
         binding = seq.bindings[kind, depth]
         end = seq.length + seq.pending + len(tokens)   # every new token sees all slots before its own
         binding.feed("input_ids", tokens[None])
@@ -231,8 +230,7 @@ class OrtRuntime(Runtime):
         drafted as deep as the deepest of its kind (the extra tokens are left pending, which the
         contract allows). A call that does not fit the drafter runs alone (:meth:`draft_chain`).
         A bad call fails the batch before any sequence changes."""
-        if len({c[0] for c in calls}) != len(calls):
-            raise SpecInferError("a sequence appears twice in one batch")
+        self._check_distinct(calls)
         for seq_id, tokens, _, _ in calls:
             self._check_pending_chain(seq_id)
             self._check_tokens(np.asarray(tokens, dtype=np.int64).reshape(-1))
@@ -287,7 +285,7 @@ class OrtRuntime(Runtime):
 
     def _draft_batch(self, kind: str, calls: list[tuple], depth: int) -> list[ChainDraft]:
         """One run of the drafter of ``kind`` for ``depth`` steps over several sequences' chains."""
-        from ..export.ort_lowering import batch_drafter, drafter_present_names
+        from ..export.ort_lowering import batch_drafter, drafter_presents_by_layer
 
         n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
         seqs, chains = [], []
@@ -306,13 +304,10 @@ class OrtRuntime(Runtime):
             session = self._open(batch_drafter(self._draft_graph(kind, depth), size))
             entry = self._draft_batches[key] = (session, _Binding(session), {})
         _, binding, bound = entry
-        steps = drafter_present_names(self.config.num_layers, depth)
         for slot, seq in enumerate(seqs):
             if bound.get(slot) != (seq.kv.ctypes.data, seq.kv.shape):
                 pasts = [(f"{pk}.{slot}", f"{pv}.{slot}") for pk, pv, *_ in self._kv_names]
-                presents = [[f"{name}.{slot}" for step in steps for name in step[2 * i:2 * i + 2]]
-                            for i in range(self.config.num_layers)]
-                _bind_kv(binding.io, seq, pasts, presents)
+                _bind_kv(binding.io, seq, pasts, drafter_presents_by_layer(self.config.num_layers, depth, f".{slot}"))
                 bound[slot] = (seq.kv.ctypes.data, seq.kv.shape)
         sizes = np.asarray([len(c) for c in chains], dtype=np.int64)
         binding.feed("input_ids", np.concatenate(chains)[None])

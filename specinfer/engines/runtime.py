@@ -192,9 +192,7 @@ class Runtime(abc.ABC):
         order. A call ``(seq_id, tokens, parents, True)`` asks for its last token's logits only
         ([1, V]: a prompt's), which an engine may then not compute for the others. All or nothing:
         a bad call fails the batch before any sequence changes."""
-        ids = [c[0] for c in calls]
-        if len(set(ids)) != len(ids):
-            raise SpecInferError("a sequence appears twice in one batch")
+        self._check_distinct(calls)
         prepared = [self._prepare(*call[:3]) for call in calls]
         logits = self._forward_many([p[:4] for p in prepared], [len(call) > 3 and bool(call[3]) for call in calls])
         for seq, _, _, _, parents, depths in prepared:
@@ -303,9 +301,14 @@ class Runtime(abc.ABC):
         """:meth:`draft_chain` for several sequences, ``(seq_id, tokens, depth, noise)`` each (noise
         None: greedy), in one model run where the engine can (many requests' drafts made
         together); their drafts in order, each as :meth:`draft_chain` makes it alone."""
+        self._check_distinct(calls)
+        return [self.draft_chain(*call) for call in calls]
+
+    @staticmethod
+    def _check_distinct(calls: Sequence[tuple]) -> None:
+        """A batch's calls are for different sequences (each call's first item is its id)."""
         if len({c[0] for c in calls}) != len(calls):
             raise SpecInferError("a sequence appears twice in one batch")
-        return [self.draft_chain(*call) for call in calls]
 
     def _check_pending_chain(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)

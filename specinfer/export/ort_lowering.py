@@ -229,6 +229,13 @@ def drafter_present_names(num_layers: int, depth: int) -> list[list[str]]:
             for j in range(depth)]
 
 
+def drafter_presents_by_layer(num_layers: int, depth: int, suffix: str = "") -> list[list[str]]:
+    """Per layer, every step's present key and value (in :func:`batch_drafter`, sequence
+    ``suffix`` = ``.s``'s): the outputs a runtime binds to that layer's cache."""
+    steps = drafter_present_names(num_layers, depth)
+    return [[name + suffix for step in steps for name in step[2 * i:2 * i + 2]] for i in range(num_layers)]
+
+
 def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bool = False) -> "onnx.ModelProto":
     """A chain of ``depth`` tokens drafted in one session run: greedy, or ``sampled``.
 
