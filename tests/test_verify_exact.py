@@ -458,6 +458,85 @@ def test_sampled_trees_merged_under_a_budget_are_exact(make, params):
     assert agrees and gap < TOL, gap
 
 
+# --- the dynamic tree under sampling: chains drawn from the SSM, cut by the sizer ---------------------
+class _MoreDraws(Exception):
+    """The drafter asked for a draw past the scripted ones."""
+
+
+def sized_sampled_chains(params, monkeypatch, min_confidence=0.0):
+    """Every chain the real SSMDrafter (sizer, draw_dynamic) can draw and keep, with its probability:
+    its draws are scripted (each a token of the drafter's own candidates, weighted by the law the
+    proposal says it was drawn from, ``draft_distribution``) and enumerated depth first; what it
+    keeps is the real drafter's and sizer's doing."""
+    import specinfer.engines.runtime as runtime_module
+    from specinfer.speculate import draft_distribution, draft_temperature
+
+    real_draw, out = runtime_module.chain_draw, []
+
+    def run(script: list[int]) -> None:
+        state = {"at": 0, "weight": 1.0, "options": None}
+
+        def scripted_draw(logits, noise):
+            _, candidates, top = real_draw(logits, noise)
+            q = draft_distribution(candidates, top, draft_temperature(params), V)
+            if state["at"] == len(script):
+                state["options"] = [(int(x), q[x]) for x in np.flatnonzero(q)]
+                raise _MoreDraws
+            x = script[state["at"]]
+            state["at"] += 1
+            state["weight"] *= q[x]
+            return x, candidates, top
+
+        monkeypatch.setattr(runtime_module, "chain_draw", scripted_draw)
+        runtime = ContextRuntime(lambda ctx: ssm_logits(0, ctx))
+        drafter = SSMDrafter(runtime, 0, sizer=TreeSizer(SIZING_COST, overhead=0.5), min_confidence=min_confidence,
+                             draw_dynamic=True)
+        try:
+            tree = drafter.draft(ROOT, [1, 1, 1], params, np.random.default_rng(0), budget=10)
+        except _MoreDraws:
+            for x, _ in state["options"]:
+                run(script + [x])
+            return
+        finally:
+            monkeypatch.setattr(runtime_module, "chain_draw", real_draw)
+        assert state["at"] == len(script)
+        out.append((state["weight"], tree))
+
+    run([])
+    return out
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.35])
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_sampled_chains_of_the_dynamic_tree_are_exact(params, min_confidence, monkeypatch):
+    """The sizer (and the confidence cut) keeps a drawn token only by the draws before it, so
+    every kept token is a fair draw from the q its proposal carries, and MSS keeps the LLM's law
+    (to 1e-9)."""
+    trees = sized_sampled_chains(params, monkeypatch, min_confidence)
+    assert abs(sum(w for w, _ in trees) - 1.0) < TOL
+    assert all(pr.q is not None for _, t in trees for ps in t.proposals[1:] for pr in ps)   # drawn, not top tokens
+    assert len({depth(t) for _, t in trees}) > 1        # the cut depends on what was drawn
+    gap, agrees = check_exact(trees, params)
+    assert agrees and gap < TOL, gap
+
+
+def test_a_draw_rated_by_its_own_probability_is_caught(monkeypatch):
+    """Negative control: rated by its own probability under q (not its parent's confidence), a
+    draw is kept or cut for its value, and the law is off."""
+    import specinfer.speculate as speculate_module
+    from specinfer.speculate import draft_distribution, draft_temperature
+
+    params = PARAMS[0]
+
+    def own_probability_reach(self, draft, keep):
+        own = [draft_distribution(c, l, draft_temperature(params), V)[x]
+               for c, l, x in zip(draft.candidates[:keep], draft.candidate_logits[:keep], draft.tokens[:keep])]
+        return np.cumprod(self._acceptance(own, 0))
+    monkeypatch.setattr(speculate_module.SSMDrafter, "_reach", own_probability_reach)
+    gap, agrees = check_exact(sized_sampled_chains(params, monkeypatch), params)
+    assert agrees and gap > 1e-3, gap
+
+
 # --- negative controls: the harness does fail wrong rules ------------------------------------------
 # A wrong rule put into verify_mss disagrees with the right enumeration, and vice versa; with the
 # wrong rule in both, they agree at every probe (the enumeration is verify_mss's law) and that law
