@@ -25,7 +25,7 @@ from .engines.runtime import Runtime
 from .errors import SpecInferError
 from .lookup import LookupDrafter
 from .sampling import SamplingParams
-from .speculate import DYNAMIC_DEPTH, Drafting, SSMDrafter, check_vocab, run_drafts
+from .speculate import DYNAMIC_DEPTH, Drafting, SSMDrafter, check_vocab, run_draft
 from .tree import TokenTree, merge
 from .tree_sizing import TreeSizer, acceptance, step_cost
 from .verify import SAMPLING_RULES, verify
@@ -155,10 +155,7 @@ class LocalSpeculator:
     def propose(self, root: int, budget: int) -> TokenTree:
         """Draft from ``root`` and merge the drafts into one tree of at most ``budget`` nodes (the
         drafters first learn last step's verdict)."""
-        (tree,) = run_drafts([self.proposing(root, budget)])
-        if isinstance(tree, BaseException):
-            raise tree
-        return tree
+        return run_draft(self.proposing(root, budget))
 
     def proposing(self, root: int, budget: int) -> Drafting:
         """:meth:`propose` as a draft in progress, whose SSM calls a scheduler makes together with

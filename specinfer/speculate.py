@@ -168,6 +168,14 @@ def run_drafts(draftings: Sequence[Generator]) -> list:
     return results
 
 
+def run_draft(drafting: Generator):
+    """One draft alone (:func:`run_drafts` of one): what it returns; raises what ended it."""
+    (result,) = run_drafts([drafting])
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 class SSMDrafter:
     """One SSM's sequence in its Runtime: drafts a tree per step and commits what was accepted."""
 
@@ -217,10 +225,7 @@ class SSMDrafter:
     def draft(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
               budget: int, lead: float = 0.0) -> TokenTree:
         """:meth:`drafting` run alone: this SSM's tree from ``root``."""
-        (tree,) = run_drafts([self.drafting(root, widths, params, rng, budget, lead)])
-        if isinstance(tree, BaseException):
-            raise tree
-        return tree
+        return run_draft(self.drafting(root, widths, params, rng, budget, lead))
 
     def drafting(self, root: int, widths: Sequence[int], params: SamplingParams, rng: np.random.Generator,
                  budget: int, lead: float = 0.0) -> Drafting:

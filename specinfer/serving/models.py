@@ -25,7 +25,7 @@ from ..generate import DEFAULT_BUDGET
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
 from ..scheduler import PREFILL_CHUNK_TOKENS, Scheduler
-from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree, run_drafts
+from ..speculate import DYNAMIC, DYNAMIC_DEPTH, SSMDrafter, parse_tree, run_draft, run_drafts
 from ..tree import Proposal, TokenTree, merge
 from ..tree_sizing import StepCost, TreeSizer, acceptance
 from .request import Tensors, as_text, sampling_from, scalar, tree_spec, verification_rule
@@ -208,10 +208,7 @@ class DraftModel(_SequenceModel):
              tree: str | None = None) -> Tensors:
         """Commit last step's verdict (``accepted``, root first), then draft a tree from ``root``;
         ``tree``: the request's tree spec, None for the model's default."""
-        (out,) = run_drafts([self.stepping(seq_id, accepted, root, params, budget, tree)])
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        return run_draft(self.stepping(seq_id, accepted, root, params, budget, tree))
 
     def stepping(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
                  tree: str | None = None) -> Generator:
