@@ -245,6 +245,18 @@ def _models(a, all_ssms: bool = True) -> tuple[Path, list[Path]]:
     return Path(a.llm), [Path(s) for s in a.ssm]
 
 
+# The trees `bench` runs unless given --tree. Under sampling a drafted token is accepted far less
+# often than under greedy decoding, so a short chain is the fixed tree that pays there (README,
+# "Sampling"); the chain of 8 shows what a long one costs.
+GREEDY_BENCH_TREES = [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
+SAMPLED_BENCH_TREES = [DYNAMIC, "1,1,1", "1,1,1,1,1,1,1,1"]
+
+
+def bench_trees(given: list[str] | None, sampling: bool) -> dict[str, list[int] | None]:
+    """The trees `bench` runs, name -> widths per depth (None: dynamic): those given, else its mode's."""
+    return {t: parse_tree(t) for t in (given or (SAMPLED_BENCH_TREES if sampling else GREEDY_BENCH_TREES))}
+
+
 def cmd_bench(a) -> None:
     from .benchmark import BenchConfig, report_markdown, report_plot, run_bench
     from .text import load_tokenizer
@@ -257,7 +269,7 @@ def cmd_bench(a) -> None:
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     _check_min_confidence(a.min_confidence)
-    trees = {t: parse_tree(t) for t in (a.tree or [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"])}
+    trees = bench_trees(a.tree, a.sampling)
     tokenizer = load_tokenizer(llm)
     prompts = [tokenizer.encode(p).ids for p in load_prompts(a.prompts, a.num_prompts)]
     report = run_bench(BenchConfig(llm, ssms, prompts, trees, a.max_tokens, a.threads, peers=not a.no_peers,
@@ -569,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several)")
     p.add_argument("--tree", action="append", default=None,
                    help="a tree to run (repeat): 'dynamic' or children per depth; default: dynamic, a chain of 8 "
-                        "and SpecInfer's 1,1,3,1,1,1,1,1")
+                        "and SpecInfer's 1,1,3,1,1,1,1,1; with --sampling: dynamic, a chain of 3 and one of 8")
     p.add_argument("--prompts", default=None, help="a .json list, a text file (blank-line separated) or a folder "
                                                   "of .py files (default: the embedded held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")

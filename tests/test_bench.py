@@ -70,6 +70,15 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
         assert i % 4 == 0 or row["tokens_per_step"] >= 1
 
 
+def test_bench_runs_a_short_chain_by_default_under_sampling():
+    """Under sampling the default trees include the chain of 3, the fixed tree that pays there; a
+    tree given replaces the defaults."""
+    from specinfer.cli import bench_trees
+    assert bench_trees(None, sampling=True) == {"dynamic": None, "1,1,1": [1, 1, 1], "1,1,1,1,1,1,1,1": [1] * 8}
+    assert list(bench_trees(None, sampling=False)) == ["dynamic", "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
+    assert bench_trees(["2,1"], sampling=True) == {"2,1": [2, 1]}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompts", "/no/such/file"], "--prompts /no/such/file: no such file or folder"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
