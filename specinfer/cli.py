@@ -246,8 +246,8 @@ def _models(a, all_ssms: bool = True) -> tuple[Path, list[Path]]:
 
 
 # The trees `bench` runs unless given --tree. Under sampling a drafted token is accepted far less
-# often than under greedy decoding, so a short chain is the fixed tree that pays there (README,
-# "Sampling"); the chain of 8 shows what a long one costs.
+# often than under greedy decoding, so a short chain is the fixed tree that comes closest to paying
+# there (README, "Benchmark"); the chain of 8 shows what a long one costs.
 GREEDY_BENCH_TREES = [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
 SAMPLED_BENCH_TREES = [DYNAMIC, "1,1,1", "1,1,1,1,1,1,1,1"]
 

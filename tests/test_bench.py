@@ -71,8 +71,8 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
 
 
 def test_bench_runs_a_short_chain_by_default_under_sampling():
-    """Under sampling the default trees include the chain of 3, the fixed tree that pays there; a
-    tree given replaces the defaults."""
+    """Under sampling the default trees include the chain of 3, the fixed tree that comes closest to
+    paying there; a tree given replaces the defaults."""
     from specinfer.cli import bench_trees
     assert bench_trees(None, sampling=True) == {"dynamic": None, "1,1,1": [1, 1, 1], "1,1,1,1,1,1,1,1": [1] * 8}
     assert list(bench_trees(None, sampling=False)) == ["dynamic", "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
