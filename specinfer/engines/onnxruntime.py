@@ -304,11 +304,9 @@ class OrtRuntime(Runtime):
             session = self._open(batch_drafter(self._draft_graph(kind, depth), size))
             entry = self._draft_batches[key] = (session, _Binding(session), {})
         _, binding, bound = entry
-        for slot, seq in enumerate(seqs):
-            if bound.get(slot) != (seq.kv.ctypes.data, seq.kv.shape):
-                pasts = [(f"{pk}.{slot}", f"{pv}.{slot}") for pk, pv, *_ in self._kv_names]
-                _bind_kv(binding.io, seq, pasts, drafter_presents_by_layer(self.config.num_layers, depth, f".{slot}"))
-                bound[slot] = (seq.kv.ctypes.data, seq.kv.shape)
+        _bind_slots(binding.io, bound, seqs, lambda slot: (
+            [(f"{pk}.{slot}", f"{pv}.{slot}") for pk, pv, *_ in self._kv_names],
+            drafter_presents_by_layer(self.config.num_layers, depth, f".{slot}")))
         sizes = np.asarray([len(c) for c in chains], dtype=np.int64)
         binding.feed("input_ids", np.concatenate(chains)[None])
         binding.feed("slot_tokens", sizes)
@@ -425,14 +423,12 @@ class OrtRuntime(Runtime):
         if entry is None:
             session = self._open(batch_sequences(self._lowered, size))
             entry = self._batched[size] = (session, _Binding(session), {})
-        session, binding, bound = entry
-        for slot, seq in enumerate(seqs):
-            key = (seq.kv.ctypes.data, seq.kv.shape)
-            if bound.get(slot) == key:
-                continue
+        _, binding, bound = entry
+
+        def names(slot: int):
             inputs, outputs = slot_names(self.config.num_layers, slot)
-            _bind_kv(binding.io, seq, list(zip(inputs[3::2], inputs[4::2])), [[k, v] for k, v in zip(outputs[::2], outputs[1::2])])
-            bound[slot] = key
+            return list(zip(inputs[3::2], inputs[4::2])), [[k, v] for k, v in zip(outputs[::2], outputs[1::2])]
+        _bind_slots(binding.io, bound, seqs, names)
         return binding
 
     @property
@@ -481,6 +477,17 @@ def _bind_kv(io, seq: SequenceState, pasts: list[tuple[str, str]], presents: lis
             io.bind_input(past, "cpu", 0, np.float32, shape, address)
             for present in presents[layer][kind::2]:
                 io.bind_output(present, "cpu", 0, np.float32, shape, address)
+
+
+def _bind_slots(io, bound: dict, seqs: list[SequenceState], names) -> None:
+    """Bind each slot's sequence cache in a batched session (``names(slot)``: its pasts and
+    presents, as :func:`_bind_kv` takes them), except where the slot has that very buffer bound
+    already (``bound``: slot -> its buffer's address and shape, kept with the binding)."""
+    for slot, seq in enumerate(seqs):
+        key = (seq.kv.ctypes.data, seq.kv.shape)
+        if bound.get(slot) != key:
+            _bind_kv(io, seq, *names(slot))
+            bound[slot] = key
 
 
 def _chain_draft(drafted: np.ndarray, top: np.ndarray, last: np.ndarray, depth: int, sampled: bool) -> ChainDraft:
