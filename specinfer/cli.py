@@ -9,6 +9,7 @@ from pathlib import Path
 from .client.cli import add_client_parser
 from .engines.loader import ENGINES
 from .scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, parse_bytes
+from .serving.triton_glue import STREAM_INTERVAL
 from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
 from .errors import SpecInferError
 from .verify import SAMPLING_RULES
@@ -355,6 +356,10 @@ def _add_batching(p, tree_tokens: int | None) -> None:
     p.add_argument("--prefill-chunk-tokens", type=_positive_int, default=None,
                    help=f"prompt tokens a batch takes while other requests step: a longer prompt goes in by "
                         f"chunks, so that it does not hold their next tokens (default {PREFILL_CHUNK_TOKENS})")
+    p.add_argument("--stream-interval", type=float, default=None,
+                   help=f"seconds between a streamed request's responses at least: what it generates meanwhile "
+                        f"goes out as one response, so that many streams cost the server and the clients fewer "
+                        f"responses (default {STREAM_INTERVAL}; 0: a response every step)")
 
 
 def cmd_repo(a) -> None:
@@ -362,7 +367,8 @@ def cmd_repo(a) -> None:
 
     repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads,
                             lookup=not a.no_lookup, kv_budget=a.kv_budget, batch_tree_tokens=a.batch_tree_tokens,
-                            prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS)
+                            prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
+                            stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval)
     print(f"wrote {repo} (models: {', '.join(sorted(p.name for p in repo.iterdir() if p.is_dir()))})")
 
 
@@ -391,9 +397,11 @@ def cmd_serve(a) -> None:
             # (bench, embedded prompts: SSM 1 + lookup 1.68x incremental, both SSMs + lookup 1.19x).
             repo = write_repository(embedded_llm(), embedded_ssms()[:1], made, kv_budget=a.kv_budget,
                                     batch_tree_tokens=a.batch_tree_tokens or BATCH_TREE_TOKENS,
-                                    prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS)
-        elif a.kv_budget is not None or a.batch_tree_tokens is not None or a.prefill_chunk_tokens is not None:
-            raise SpecInferError("--kv-budget, --batch-tree-tokens and --prefill-chunk-tokens belong to the repository: "
+                                    prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
+                                    stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval)
+        elif any(v is not None for v in (a.kv_budget, a.batch_tree_tokens, a.prefill_chunk_tokens, a.stream_interval)):
+            raise SpecInferError("--kv-budget, --batch-tree-tokens, --prefill-chunk-tokens and --stream-interval belong "
+                                 "to the repository: "
                                  "give them to `specinfer repo` (or serve the embedded models)")
         server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file,
                               gateway=not a.no_gateway, max_request_bytes=a.max_request_bytes, admin_key=a.admin_key,

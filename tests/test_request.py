@@ -1,5 +1,7 @@
 """Reading a generation request: every field checked against its range, long texts refused before
 they are tokenized, and each failure answered with the right Triton error code (no server)."""
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from conftest import VOCAB, make_tokenizer
 from specinfer.errors import RequestError, SpecInferError
 from specinfer.serving import triton_glue as glue
+from specinfer.serving.orchestrator import merge_responses
 from specinfer.serving.request import MAX_SEED, longest_token_bytes, read_request, sampling_from
 from specinfer.text import load_tokenizer
 
@@ -209,13 +212,36 @@ class Response:
         return self.tensors
 
 
+class Recorded:
+    """A metric that records what it is given, and from which thread."""
+
+    def __init__(self):
+        self.values: list = []
+
+    def observe(self, value):
+        self.values.append((value, threading.current_thread().name))
+
+    set = increment = observe
+
+
+class MetricFamily:
+    GAUGE, COUNTER, HISTOGRAM = range(3)
+
+    def __init__(self, name, description, kind):
+        pass
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 - the backend's name
+        return Recorded()
+
+
 def fake_pb(answer: Response | None = None):
     """A stand-in for triton_python_backend_utils: responses, errors, a logger, BLS answering ``answer``."""
     logged: list[str] = []
     sent: list[dict] = []   # the BLS requests' arguments
     return SimpleNamespace(
         TritonError=TritonError, Tensor=Tensor, InferenceResponse=Response, logged=logged, sent=sent,
-        Logger=SimpleNamespace(log_error=logged.append),
+        Logger=SimpleNamespace(log_error=logged.append, log_warn=logged.append), TRITONSERVER_RESPONSE_COMPLETE_FINAL=2,
+        MetricFamily=MetricFamily,
         get_input_tensor_by_name=lambda request, name: request.get(name),
         InferenceRequest=lambda **kwargs: sent.append(kwargs) or SimpleNamespace(exec=lambda: answer))
 
@@ -280,3 +306,94 @@ def test_bls_sends_and_reads_batches_of_one():
     with pytest.raises(RequestError, match="'tokens': a request to this model is a batch of one, got shape \\[2, 1\\]"):
         glue.read(pb, {"tokens": Tensor("tokens", np.array([[1], [2]], np.int64))}, ["tokens"], batched=True)
     assert glue.response(pb, {"bonus": np.array([3])}, batched=True).tensors[0].as_numpy().shape == (1, 1)
+
+
+# --- streamed responses ------------------------------------------------------------------------------
+class StreamedRequest:
+    """A request whose response sender records what it is sent (or fails: the client is gone), and
+    whose client may cancel."""
+
+    def __init__(self, fail: bool = False):
+        self.sent: list[tuple[Response, int]] = []
+        self.cancel, self.fail = False, fail
+
+    def get_response_sender(self):
+        return SimpleNamespace(send=self._send)
+
+    def _send(self, response, flags=0):
+        if self.fail:
+            raise RuntimeError("the stream is closed")
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return self.cancel
+
+
+def piece(txt: str, token_ids: list[int], steps: str = "") -> dict:
+    return {"text_output": text(txt), "output_ids": np.asarray(token_ids, np.int64),
+            "accepted_tokens_per_step": text(steps)}
+
+
+def until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def outputs(response: Response) -> dict:
+    return {t.name(): t.as_numpy().tolist() for t in response.tensors}
+
+
+def test_pieces_that_wait_out_the_interval_go_out_as_one_and_the_final_at_once():
+    pb, request = fake_pb(), StreamedRequest()
+    stream = glue.ResponseStream(pb, request, merge_responses, "ensemble", interval=30.0)
+    stream.send(piece("de", [1]))             # nothing sent yet: out at once
+    until(lambda: len(request.sent) == 1)
+    stream.send(piece("f ", [2]))
+    stream.send(piece("x(", [3, 4]))
+    time.sleep(0.2)
+    assert len(request.sent) == 1             # within the interval: they wait
+    stream.send(piece(")", [5], steps="1,2,2"), final=True)
+    until(lambda: len(request.sent) == 2)     # the final does not wait for the interval
+    (first, flags0), (rest, flags1) = request.sent
+    assert outputs(first) == {"text_output": [b"de"], "output_ids": [1], "accepted_tokens_per_step": [b""]}
+    assert outputs(rest) == {"text_output": [b"f x()"], "output_ids": [2, 3, 4, 5], "accepted_tokens_per_step": [b"1,2,2"]}
+    assert (flags0, flags1) == (0, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def test_an_error_goes_out_alone_after_the_pieces_before_it():
+    pb, request = fake_pb(), StreamedRequest()
+    stream = glue.ResponseStream(pb, request, merge_responses, "ensemble", interval=30.0)
+    stream.send(piece("a", [1]))
+    until(lambda: len(request.sent) == 1)
+    stream.send(piece("b", [2]))
+    stream.fail(RequestError("stop_words: too many"))
+    until(lambda: len(request.sent) == 3)
+    (_, _), (data, flags1), (err, flags2) = request.sent
+    assert outputs(data)["output_ids"] == [2] and flags1 == 0 and not data.has_error()
+    assert err.error().code() == TritonError.INVALID_ARG and err.error().message() == "stop_words: too many"
+    assert flags2 == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def test_a_cancel_is_seen_between_sends_and_a_failed_send_ends_the_request():
+    pb, request = fake_pb(), StreamedRequest()
+    stream = glue.ResponseStream(pb, request, merge_responses, "ensemble", poll_seconds=0.01)
+    time.sleep(0.05)
+    assert not stream.cancelled
+    request.cancel = True                     # no response is due: the cancel is still asked for
+    until(lambda: stream.cancelled)
+    gone = StreamedRequest(fail=True)
+    stream = glue.ResponseStream(pb, gone, merge_responses, "ensemble")
+    stream.send(piece("a", [1]))
+    until(lambda: stream.cancelled)
+    assert "a response could not be sent" in pb.logged[-1]
+
+
+def test_metrics_are_observed_in_order_off_the_callers_thread():
+    metrics = glue.Metrics(fake_pb(), "ensemble_fused")
+    for v in range(50):
+        metrics.observe_later(metrics.accepted, v)
+    until(lambda: len(metrics.accepted.values) == 50)
+    assert [v for v, _ in metrics.accepted.values] == list(range(50))
+    assert {thread for _, thread in metrics.accepted.values} == {"metrics"}

@@ -16,6 +16,7 @@ from specinfer.sampling import SamplingParams, probabilities
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
                                tensors_to_tree, tree_to_tensors)
 from specinfer.serving import models as serving_models
+from specinfer.serving.repository import write_repository
 from specinfer.serving.request import read_request
 from specinfer.text import TextStream, decode_piece, load_tokenizer
 from specinfer.tree import Proposal, TokenTree
@@ -409,6 +410,9 @@ def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(mo
         step_seconds, accepted = Recorded(), Recorded()
         gauges = []
 
+        def observe_later(self, histogram, value):
+            histogram.observe(value)
+
         def update(self, model):   # as glue.Metrics.update reads a model
             self.gauges.append((len(model.sequences), model.kv_bytes()))
 
@@ -464,3 +468,9 @@ def test_a_verification_that_raises_leaves_the_sequence_usable(served_pair, monk
     assert len(clean) >= 4
     assert run("faulty", fail_at=1) == clean
     assert llm.sequences() == [] and ssm.sequences() == []
+
+
+def test_a_negative_stream_interval_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(SpecInferError, match="the stream interval must be >= 0 seconds, got -1"):
+        write_repository(tmp_path / "no-llm", [], tmp_path / "repo", stream_interval=-1)
+    assert not (tmp_path / "repo").exists()

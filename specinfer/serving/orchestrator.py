@@ -91,6 +91,20 @@ class Piece:
     final: bool
 
 
+STREAMED_OUTPUTS = ("text_output", "output_ids")   # what a response adds to the ones before it
+
+
+def merge_responses(responses: list[Tensors]) -> Tensors:
+    """Consecutive responses of one request as one: their text and ids joined, the statistics of
+    the last (they are cumulative, sent with the final response only)."""
+    merged = dict(responses[-1])
+    for name in STREAMED_OUTPUTS:
+        parts = [np.asarray(r[name]).reshape(-1) for r in responses]
+        merged[name] = (np.array([b"".join(p[0] for p in parts)], dtype=object) if parts[0].dtype == object
+                        else np.concatenate(parts))
+    return merged
+
+
 def stats_tensors(stats: Stats) -> Tensors:
     return {
         "accepted_tokens_per_step": np.array([",".join(map(str, stats.tokens_per_step)).encode()], dtype=object),

@@ -21,7 +21,7 @@ from ..generate import DEFAULT_BUDGET
 from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS
 from ..speculate import DYNAMIC, parse_tree
 from ..tree_sizing import StepCost
-from .triton_glue import KEY_FILE
+from .triton_glue import KEY_FILE, STREAM_INTERVAL
 
 TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
                ("proposal_node", "TYPE_INT32", "-1"), ("proposal_ssm", "TYPE_INT32", "-1"),
@@ -72,7 +72,8 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) 
 def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC,
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
-                     batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Path:
+                     batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                     stream_interval: float = STREAM_INTERVAL) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
     or widths; a request may ask for another). ``engines``: a folder of TensorRT engines
     (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime.
@@ -81,7 +82,11 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
     model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
-    ``prefill_chunk_tokens``: prompt tokens a batch takes while other requests step."""
+    ``prefill_chunk_tokens``: prompt tokens a batch takes while other requests step;
+    ``stream_interval``: seconds between a streamed request's responses at least (what it generated
+    meanwhile goes out as one response; 0: a response every step)."""
+    if stream_interval < 0:
+        raise SpecInferError(f"the stream interval must be >= 0 seconds, got {stream_interval}")
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
@@ -134,7 +139,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
                lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
-               batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens, **common)
+               batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
+               stream_interval=stream_interval, **common)
     (out / "specinfer_repository.json").write_text(json.dumps(
         {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine, "lookup": lookup},
         indent=2))

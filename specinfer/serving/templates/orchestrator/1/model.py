@@ -25,7 +25,7 @@ from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
 from specinfer.errors import RequestError, ServerStopping  # noqa: E402
 from specinfer.serving import triton_glue as glue  # noqa: E402
 from specinfer.scheduler import Scheduler  # noqa: E402
-from specinfer.serving.orchestrator import Orchestrator, RemoteSpeculator  # noqa: E402
+from specinfer.serving.orchestrator import Orchestrator, RemoteSpeculator, merge_responses  # noqa: E402
 from specinfer.speculate import parse_tree  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
 
@@ -41,6 +41,7 @@ class TritonPythonModel:
         tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
         lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
         budget = int(p["budget"])
+        self.stream_interval = float(p.get("stream_interval", glue.STREAM_INTERVAL))   # absent in older repositories
         if p["mode"] == "fused":
             # The models in this process, every request's steps batched by one scheduler.
             threads = int(p["threads"]) or None
@@ -82,13 +83,14 @@ class TritonPythonModel:
         return cancelled()
 
     def run(self, request):
-        sender = request.get_response_sender()
+        # Responses go out from a thread of their own, so that this loop never waits for Triton.
+        responses = glue.ResponseStream(pb, request, merge_responses, self.name, self.stream_interval)
         try:
             inputs = glue.read(pb, request, INPUTS)
             if not self.decoupled and inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
                 raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
-            for tensors, final in self.orchestrator.run(inputs, lambda: self.ended(request.is_cancelled)):
+            for tensors, final in self.orchestrator.run(inputs, lambda: self.ended(lambda: responses.cancelled)):
                 if final or self.decoupled:
-                    sender.send(glue.response(pb, tensors), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+                    responses.send(tensors, final)
         except Exception as e:  # noqa: BLE001 - the request fails, the server keeps serving
-            sender.send(glue.error(pb, e, self.name), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            responses.fail(e)
