@@ -89,8 +89,8 @@ def test_sweep(triton_server):
             for sample in run["samples"]:
                 assert sample["ok"] and len(sample["output_ids"]) == sample["tokens"] == 16
                 assert sum(sample["piece_tokens"]) == 16 and len(sample["gaps_s"]) == len(sample["piece_tokens"]) - 1
-            if name == "incremental":   # no speculation: one token per step, so per piece
-                assert s["tokens_per_piece"]["mean"] == 1.0
+                # a piece is what a request generated since its last response (--stream-interval), never empty
+                assert min(sample["piece_tokens"]) >= 1
             assert 0 < s["token_itl_ms"]["p50"] <= s["token_itl_ms"]["p99"]
     assert r["outputs"]["checked"] and r["outputs"]["identical"], r["outputs"]
     assert r["outputs"]["compared"] == 16 and r["outputs"]["mismatches"] == 0
