@@ -213,7 +213,8 @@ class Metrics:
         # The stub's metric calls are not safe from several threads at once (seen: a histogram's
         # observe answered as if it were a gauge's): threads that share this object hold the lock.
         self.lock = threading.Lock()
-        self._later: queue.SimpleQueue = queue.SimpleQueue()
+        # Bounded: should the server fall behind, a step waits for room, as it waited for the observe.
+        self._later: queue.Queue = queue.Queue(maxsize=1 << 16)
         self._observer: threading.Thread | None = None
 
     def observe_later(self, histogram, value: float) -> None:
