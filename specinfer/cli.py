@@ -550,8 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
     p.add_argument("--threads", type=int, default=0,
-                   help=THREADS_HELP + " (0: the shared pool, but behind the ensemble a small SSM's process "
-                        "runs on one thread)")
+                   help=THREADS_HELP + " (0: the shared pool, but behind the ensemble each model's process has "
+                        "a pool of its own: one thread for a small SSM, every core for the LLM)")
     _add_lookup(p)
     _add_batching(p, BATCH_TREE_TOKENS)
     p.add_argument("-o", "--output", required=True, help="the repository folder to write")

@@ -275,13 +275,13 @@ def _ortgenai_model(folder: Path, eos: list[int], threads: int | None, draft: bo
     """The model with our run settings laid over its genai_config.json (the files stay untouched)."""
     import onnxruntime_genai as og
 
-    from .engines.onnxruntime import spinning
+    from .engines.onnxruntime import pool_entries
 
     # Threads as our ONNX Runtime engine sets them: all cores unless told (and a draft model, small,
     # one: see default_threads), no inter-op pool, spin-waiting within a run for a pool. Keys
     # genai_config does not know become session config entries.
     def session(n: int) -> dict:
-        return {"intra_op_num_threads": n, "inter_op_num_threads": 1, "session.intra_op.allow_spinning": spinning(n)}
+        return {"intra_op_num_threads": n, "inter_op_num_threads": 1, **pool_entries(n)}
 
     model = {"decoder": {"session_options": session(threads or os.cpu_count() or 1)}}
     if draft:

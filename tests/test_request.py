@@ -282,6 +282,21 @@ def test_handle_answers_each_request_with_the_right_code():
     assert not good.has_error() and good.tensors[0].name() == "y"
 
 
+def test_handle_batch_fails_a_request_alone_and_times_the_batch():
+    """A batched model's execute: each request a batch of one; one whose input is malformed or
+    whose work fails gets its error, the others their outputs; the batch's time is observed once."""
+    pb, seconds = fake_pb(), Recorded()
+    requests = [{"x": Tensor("x", np.array([[1, 2]]))}, {"x": Tensor("x", np.array([[1], [2]]))},   # not a batch of one
+                {"x": Tensor("x", np.array([[0]]))}, {"x": Tensor("x", np.array([[5]]))}]
+
+    def work(batch):
+        return [RequestError("x must not start with 0") if t["x"][0] == 0 else {"y": t["x"] * 2} for t in batch]
+    out = glue.handle_batch(pb, requests, ["x"], work, "ssm_0", seconds)
+    assert [r.tensors[0].as_numpy().tolist() for r in (out[0], out[3])] == [[[2, 4]], [[10]]]
+    assert "a batch of one" in out[1].error().message() and out[2].error().code() == TritonError.INVALID_ARG
+    assert len(seconds.values) == 1 and seconds.values[0][0] >= 0
+
+
 @pytest.mark.parametrize("code, error_class", [(TritonError.INVALID_ARG, RequestError),
                                                (TritonError.INTERNAL, SpecInferError),
                                                (TritonError.UNAVAILABLE, SpecInferError)])

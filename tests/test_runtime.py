@@ -357,17 +357,21 @@ def test_draft_chain_continues_only_a_chain(exported):
 
 def test_session_threads():
     """By default a session runs on the process's shared pool; given threads before the process
-    shares one, on a pool of its own that spins within a run where it has workers."""
+    shares one, on a pool of its own that spins within a run where it has workers, and stops
+    spinning when the run ends."""
     from specinfer.engines.onnxruntime import session_options
 
     from specinfer.engines import onnxruntime as engine
 
-    key = "session.intra_op.allow_spinning"
+    spin, stop = "session.intra_op.allow_spinning", "session.force_spinning_stop"
     shared, engine._shared_pool = engine._shared_pool, []    # as in a process with no shared pool yet
     try:
         assert session_options(2).use_per_session_threads is True
-        assert session_options(2).get_session_config_entry(key) == "1"
-        assert session_options(1).get_session_config_entry(key) == "0"
+        assert session_options(2).get_session_config_entry(spin) == "1"
+        assert session_options(2).get_session_config_entry(stop) == "1"
+        assert session_options(1).get_session_config_entry(spin) == "0"
+        with pytest.raises(Exception, match="does not have configuration"):   # one thread: nothing to stop
+            session_options(1).get_session_config_entry(stop)
     finally:
         engine._shared_pool = shared
     assert session_options(None).use_per_session_threads is False

@@ -51,7 +51,7 @@ def session_options(threads: int | None):
     step 3x slower). Measured with an SSM draft between LLM calls, as in decoding, on 2 cores: LLM
     8 tokens 3.2-3.4 ms and SSM draft of 8 1.3 ms on the shared pool, against 3.7-4.0 and 1.9-2.0
     ms with a spinning pool of 2 for the LLM and one thread for the SSM, and 5.3-5.6 and 2.0 ms
-    with no spinning at all.
+    with no spinning at all. A pool of its own spins within a run only (:func:`pool_entries`).
     """
     import onnxruntime as ort
 
@@ -67,7 +67,8 @@ def session_options(threads: int | None):
     else:
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", spinning(options.intra_op_num_threads))
+        for key, value in pool_entries(options.intra_op_num_threads).items():
+            options.add_session_config_entry(key, value)
     return options
 
 
@@ -102,10 +103,18 @@ def _share_thread_pool() -> bool:
     return _shared_pool[0]
 
 
-def spinning(threads: int) -> str:
-    """The ``session.intra_op.allow_spinning`` entry for a pool of ``threads`` of its own: spin
-    within a run where there are workers (see :func:`session_options`)."""
-    return "1" if threads > 1 else "0"
+def pool_entries(threads: int) -> dict[str, str]:
+    """Session config entries for a pool of ``threads`` of its own: its workers spin within a run,
+    where each of the ~190 small kernels would otherwise pay a wake-up, and stop when the run ends
+    (``session.force_spinning_stop``, which ONNX Runtime applies to a session's own pool only),
+    so that between runs they leave the cores to whatever runs next. Without the stop, pools of
+    their own spun through each other's runs: the embedded LLM and SSM 1 on pools of 2 made 386-394
+    tokens/s against 834-930 on the shared pool (`specinfer bench --no-peers --num-prompts 12
+    --max-tokens 96 --tree dynamic --threads 2`, dynamic SSM 1 + lookup, 2 rounds); with it,
+    783-944. One thread: no workers, nothing to spin."""
+    if threads <= 1:
+        return {"session.intra_op.allow_spinning": "0"}
+    return {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
 
 
 def default_threads(config: ModelConfig) -> int:
@@ -119,11 +128,17 @@ def default_threads(config: ModelConfig) -> int:
 
 def threads_beside_others(onnx_dir: str | Path) -> int:
     """Intra-op threads for a model served in a process of its own beside other models' processes
-    (an ``ssm_<i>`` behind the ensemble): :func:`default_threads`, so a small SSM runs on one
-    thread, not spinning. On the process's shared pool of every core, its spinning workers fought
-    the ``lookup`` model running beside it and the ``llm`` process for the 2 cores: one stream
-    behind the ensemble made 120-149 tokens/s with it against 203-300 on one thread (the ``llm``
-    model's step took 7-12 ms against 6-7)."""
+    (``llm`` and each ``ssm_<i>`` behind the ensemble), on a pool of its own: :func:`default_threads`,
+    so a small SSM runs on one thread and the LLM on every core, whose workers stop spinning when a
+    run ends (:func:`pool_entries`). On the process's shared pool, which spins on between runs:
+    - a small SSM's workers fought the ``lookup`` model running beside it and the ``llm`` process
+      for the 2 cores: one stream behind the ensemble made 120-149 tokens/s with it against
+      203-300 on one thread (the ``llm`` model's step took 7-12 ms against 6-7);
+    - the ``llm``'s workers held a core while the step's other hops ran: one stream behind the
+      ensemble made 358 / 358 tokens/s speculative and 156 / 143 incremental, against 406 / 370
+      and 173 / 158 on a pool of its own (`specinfer client bench --protocol grpc --model ensemble
+      --stream --concurrency 1,16 --requests 32 --max-tokens 64`, served in turn; 16 streams
+      within the noise)."""
     return default_threads(ModelConfig.from_dict(read_manifest(onnx_dir)["config"]))
 
 
