@@ -390,3 +390,9 @@ def test_a_model_in_a_process_of_its_own_gets_one_thread_when_small_and_every_co
     manifest["config"].update(hidden_size=1024, intermediate_size=4096, num_layers=8)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     assert threads_beside_others(tmp_path) == (os.cpu_count() or 1)
+    # what the llm and ssm_<i> models load with: the repository's threads, else the above
+    from specinfer.serving.triton_glue import model_threads
+    assert model_threads({"threads": "0", "engine": "onnxruntime", "model_dir": str(tmp_path)}) == (os.cpu_count() or 1)
+    assert model_threads({"threads": "0", "engine": "onnxruntime", "model_dir": str(exported["llama3"])}) == 1
+    assert model_threads({"threads": "3", "engine": "onnxruntime", "model_dir": str(tmp_path)}) == 3
+    assert model_threads({"threads": "0", "engine": "tensorrt", "model_dir": str(tmp_path)}) is None

@@ -28,6 +28,18 @@ def parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
+def model_threads(p: dict[str, str]) -> int | None:
+    """ONNX Runtime threads for a model in a process of its own behind the ensemble (``llm``,
+    ``ssm_<i>``; ``p``: its parameters): the repository's ``threads``, else a pool of its own sized
+    to the model (:func:`~specinfer.engines.onnxruntime.threads_beside_others`), not the shared pool."""
+    threads = int(p["threads"])
+    if not threads and p["engine"] == "onnxruntime":
+        from ..engines.onnxruntime import threads_beside_others
+
+        threads = threads_beside_others(p["model_dir"])
+    return threads or None
+
+
 def is_decoupled(pb, args: dict) -> bool:
     return pb.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 

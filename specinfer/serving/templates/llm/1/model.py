@@ -15,7 +15,6 @@ import triton_python_backend_utils as pb  # noqa: E402
 import threading  # noqa: E402
 
 from specinfer.engines.loader import load_runtime  # noqa: E402
-from specinfer.engines.onnxruntime import threads_beside_others  # noqa: E402
 from specinfer.serving import triton_glue as glue  # noqa: E402
 from specinfer.serving.models import VerifyModel  # noqa: E402
 
@@ -27,10 +26,7 @@ INPUTS = ["op", "sequence_id", "caller_key", "tokens", "tree_tokens", "tree_pare
 class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
-        threads = int(p["threads"])
-        if not threads and p["engine"] == "onnxruntime":   # not the shared pool: see threads_beside_others
-            threads = threads_beside_others(p["model_dir"])
-        self.model = VerifyModel(load_runtime(p["model_dir"], p["engine"], threads=threads or None),
+        self.model = VerifyModel(load_runtime(p["model_dir"], p["engine"], threads=glue.model_threads(p)),
                                  key=glue.caller_key(args), kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                  prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
         self.metrics = glue.Metrics(pb, args["model_name"])

@@ -15,7 +15,6 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 import triton_python_backend_utils as pb  # noqa: E402
 
 from specinfer.engines.loader import load_runtime  # noqa: E402
-from specinfer.engines.onnxruntime import threads_beside_others  # noqa: E402
 from specinfer.serving import triton_glue as glue  # noqa: E402
 from specinfer.serving.models import DraftModel, LookupModel  # noqa: E402
 from specinfer.tree_sizing import StepCost  # noqa: E402
@@ -31,10 +30,7 @@ class TritonPythonModel:
         if p.get("drafter") == "lookup":
             self.model = LookupModel(int(p["index"]), int(p["vocab_size"]), cost, p["tree"], key=key)
         else:
-            threads = int(p["threads"])
-            if not threads and p["engine"] == "onnxruntime":   # not the shared pool: see threads_beside_others
-                threads = threads_beside_others(p["model_dir"])
-            runtime = load_runtime(p["model_dir"], p["engine"], threads=threads or None)
+            runtime = load_runtime(p["model_dir"], p["engine"], threads=glue.model_threads(p))
             self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost, key=key)
         self.metrics = glue.Metrics(pb, args["model_name"])
         self.lock = threading.Lock()
