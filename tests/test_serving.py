@@ -177,6 +177,29 @@ def test_orchestration_equals_in_process_greedy(models, models_with_lookup, stre
         assert acceptance(draft_models[-1], SamplingParams(), "lookup")._expected.sum() > 0
 
 
+def test_incremental_requests_call_the_llm_model_alone(models):
+    """Tree "none": each step is one call of the llm model (no drafter, no tree_builder), the SSMs
+    never hold the sequence, and the output is the LLM's own greedy decoding."""
+    llm, _, verify_model, draft_models = models
+    calls = []
+    inner = local_call(verify_model, draft_models)
+    tok = load_tokenizer(llm.dir)
+    make = lambda req, stats: RemoteSpeculator(lambda name, t: calls.append((name, t["op"][0])) or inner(name, t),
+                                               ["ssm_0", "ssm_1"], "s-none", llm.max_context, req.params, req.tree,
+                                               stats, max_tokens=req.max_tokens)
+    orch = Orchestrator(tok, llm.max_context, list(llm.config.eos_token_ids), llm.vocab_size, make)
+    text = "def f(x):"
+    want = [t for s in generate_ids(llm, tok.encode(text).ids, max_new_tokens=40, eos_ids=llm.config.eos_token_ids)
+            for t in s]
+    (out, _), = orch.run(request(tok, text, tree=np.array([b"none"], object)))
+    assert out["output_ids"].tolist()[-len(want):] == want
+    steps = [int(x) for x in out["accepted_tokens_per_step"][0].decode().split(",")]
+    assert steps == [1] * len(want)
+    assert {name for name, _ in calls} == {"llm"}
+    assert [op for _, op in calls] == [b"start"] + [b"step"] * len(want) + [b"release"]
+    assert len(verify_model.sequences) == 0 and llm.sequences() == []
+
+
 def test_dynamic_tree_needs_a_cost_table(served_pair):
     model = DraftModel(OrtRuntime(served_pair["ssms"][0]), 0, "2,1")   # a repository without a cost table
     model.start("s", [1, 2, 3], SamplingParams())

@@ -15,7 +15,9 @@ import numpy as np
 from ..generate import DEFAULT_BUDGET, Stats, decode
 from ..sampling import SamplingParams
 from ..text import TextStream, decode_piece
-from .models import CALLER_KEY
+from ..speculate import parse_tree
+from ..tree import TokenTree
+from .models import CALLER_KEY, tree_to_tensors
 from .request import GenerationRequest, Tensors, read_request
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,12 @@ log = logging.getLogger(__name__)
 # --- the orchestrator --------------------------------------------------------------------------------
 class RemoteSpeculator:
     """A Speculator whose models live elsewhere: ``call(model, inputs) -> outputs`` reaches them
-    (Triton BLS in the server; plain method calls in tests)."""
+    (Triton BLS in the server; plain method calls in tests).
+
+    A speculative step is one call of ``spec_step``. Incremental decoding (tree ``"none"``) has
+    nothing to draft: its sequence lives in the ``llm`` model alone, and each step is one call of
+    it with the root as the whole tree (one model hop instead of the drafters', ``tree_builder``'s
+    and the LLM's)."""
 
     def __init__(self, call: Callable[[str, Tensors], Tensors], ssm_names: list[str], seq_id: str,
                  max_context: int, params: SamplingParams, tree: str | None, stats: Stats, key: str | None = None,
@@ -35,6 +42,7 @@ class RemoteSpeculator:
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
         self.last_path: list[int] = []
+        self.incremental = tree is not None and parse_tree(tree) == []
 
     def _common(self, op: str) -> Tensors:
         t = {"op": np.array([op.encode()], dtype=object), "sequence_id": np.array([self.seq_id.encode()], dtype=object),
@@ -53,17 +61,20 @@ class RemoteSpeculator:
         llm = inputs | {"rule": np.array([self.rule.encode()], dtype=object)}
         if self.max_tokens is not None:
             llm["max_tokens"] = np.array([self.max_tokens], dtype=np.int32)
-        for name in ["llm"] + self.ssm_names:
+        for name in ["llm"] + ([] if self.incremental else self.ssm_names):
             self.call(name, llm if name == "llm" else inputs)
             self.started.append(name)
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
-        inputs = self._common("step") | {"tokens": np.asarray(self.last_path, dtype=np.int64),
-                                         "root": np.array([root], dtype=np.int64),
-                                         "budget": np.array([budget], dtype=np.int32)}
-        if self.tree:
-            inputs["tree"] = np.array([self.tree.encode()], dtype=object)
-        out = self.call("spec_step", inputs)
+        if self.incremental:
+            out = self.call("llm", self._common("step") | tree_to_tensors(TokenTree(root), 0))
+        else:
+            inputs = self._common("step") | {"tokens": np.asarray(self.last_path, dtype=np.int64),
+                                             "root": np.array([root], dtype=np.int64),
+                                             "budget": np.array([budget], dtype=np.int32)}
+            if self.tree:
+                inputs["tree"] = np.array([self.tree.encode()], dtype=object)
+            out = self.call("spec_step", inputs)
         path = [int(t) for t in np.asarray(out["accepted_tokens"]).reshape(-1)]
         self.stats.draft_tokens += int(np.asarray(out["draft_tokens"]).reshape(-1)[0])
         self.stats.accepted_draft_tokens += len(path) - 1
