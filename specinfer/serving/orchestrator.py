@@ -42,7 +42,7 @@ class RemoteSpeculator:
         self.max_context, self.params, self.tree, self.stats = max_context, params, tree, stats
         self.started: list[str] = []
         self.last_path: list[int] = []
-        self.incremental = tree is not None and parse_tree(tree) == []
+        self.incremental = parse_tree(tree) == []   # tree "none" (None, the dynamic tree, parses to None)
 
     def _common(self, op: str) -> Tensors:
         t = {"op": np.array([op.encode()], dtype=object), "sequence_id": np.array([self.seq_id.encode()], dtype=object),
