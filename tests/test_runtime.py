@@ -237,6 +237,35 @@ def test_a_trim_keeps_open_sequences_exact_and_gives_new_ones_new_sessions(expor
     assert all(np.array_equal(a, b) for a, b in zip(kept, trimmed, strict=True))
 
 
+def test_a_sequence_keeps_its_slot_in_a_batched_session(exported, monkeypatch):
+    """A batched session binds only the caches new to it: a sequence keeps the slot it had, in
+    whatever order the calls come, a new one takes a leaver's slot and the spare slots keep the
+    scratch cache; each sequence's logits are bit for bit what it gets alone."""
+    import specinfer.engines.onnxruntime as ort_runtime
+
+    bound = []
+    bind = ort_runtime._bind_kv
+    monkeypatch.setattr(ort_runtime, "_bind_kv", lambda io, seq, *names: (bound.append(seq), bind(io, seq, *names)))
+    batched, single = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    names = "abcdef"
+    seqs = {name: (batched.start(), single.start()) for name in names}
+    for i, name in enumerate(names):
+        for rt, seq in zip((batched, single), seqs[name]):
+            rt.prefill(seq, PROMPT[:4 + i])
+    # (order of the calls, slots the batch should bind): 5 sequences in a session of 6 slots (one spare),
+    # shuffled, then one leaving and one joining
+    batches = [("abcde", 6), ("ecadb", 0), ("bfdce", 1), ("cfbed", 0)]
+    for step, (order, binds) in enumerate(batches):
+        bound.clear()
+        tokens = {name: [7 + step, 9] for name in order}
+        got = batched.score_batch([(seqs[name][0], tokens[name], [-1, 0]) for name in order])
+        assert len(bound) == binds
+        for name, logits in zip(order, got):
+            assert np.array_equal(logits, single.score(seqs[name][1], tokens[name], [-1, 0]))
+            for rt, seq in zip((batched, single), seqs[name]):
+                rt.commit(seq, [0])
+
+
 def test_one_call_sampled_draft_is_the_token_by_token_draft(exported):
     """The sampled drafter graph (draft_sampled.ort.onnx), called twice, draws the chain the
     Runtime's own score calls draw with the same noise: the same candidates (the likeliest,

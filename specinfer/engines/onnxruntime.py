@@ -302,7 +302,7 @@ class OrtRuntime(Runtime):
         """One run of the drafter of ``kind`` for ``depth`` steps over several sequences' chains."""
         from ..export.ort_lowering import batch_drafter, drafter_presents_by_layer
 
-        n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
+        size = next(b for b in BATCH_SIZES if b >= len(calls))
         seqs, chains = [], []
         for seq_id, tokens, _, _ in calls:
             seq, tokens = self._get(seq_id), np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -311,35 +311,36 @@ class OrtRuntime(Runtime):
             chains.append(tokens)
         # Spare slots draft from one token on a scratch cache of their own.
         scratch = self._draft_scratch = self._draft_scratch or SequenceState(self._allocate(self.draft_depth), 1, 1)
-        seqs += [scratch] * (size - n)
-        chains += [np.zeros(1, np.int64)] * (size - n)
         key = (kind, depth, size)
         entry = self._draft_batches.get(key)   # (read once: a trim may clear the dict meanwhile)
         if entry is None:
             session = self._open(batch_drafter(self._draft_graph(kind, depth), size))
             entry = self._draft_batches[key] = (session, _Binding(session), {})
         _, binding, bound = entry
-        _bind_slots(binding.io, bound, seqs, lambda slot: (
+        slots = _bind_slots(binding.io, bound, seqs, scratch, size, lambda slot: (
             [(f"{pk}.{slot}", f"{pv}.{slot}") for pk, pv, *_ in self._kv_names],
             drafter_presents_by_layer(self.config.num_layers, depth, f".{slot}")))
-        sizes = np.asarray([len(c) for c in chains], dtype=np.int64)
-        binding.feed("input_ids", np.concatenate(chains)[None])
+        in_slot = [np.zeros(1, np.int64)] * size   # slot -> its chain
+        ends = [1] * size                          # slot -> its sequence's length after the chain
+        for seq, chain, slot in zip(seqs, chains, slots):
+            in_slot[slot], ends[slot] = chain, seq.length + seq.pending + len(chain)
+        sizes = np.asarray([len(c) for c in in_slot], dtype=np.int64)
+        binding.feed("input_ids", np.concatenate(in_slot)[None])
         binding.feed("slot_tokens", sizes)
         binding.feed("last_rows", np.cumsum(sizes) - 1)
-        for slot, (seq, chain) in enumerate(zip(seqs, chains)):
-            end = (seq.length + seq.pending + len(chain)) if slot < n else 1
+        for slot, end in enumerate(ends):
             binding.set(f"seqlens_k.{slot}", end - 1)
             binding.set(f"total_sequence_length.{slot}", end, ())
         if kind == "sampled_draft":   # each sequence's noise for its steps; zeros past them
             noise = np.zeros((depth, size, self.draft_candidates), np.float32)
-            for slot, (_, _, d, call_noise) in enumerate(calls):
+            for slot, (_, _, d, call_noise) in zip(slots, calls):
                 noise[:d, slot] = call_noise[:d]
             for j in range(depth):
                 binding.feed(f"draft_noise.{j}", noise[j][None])
         outputs = binding.outputs_of(self._draft_outputs(kind, depth * size))
         binding.session.run_with_iobinding(binding.io)
         drafts = []
-        for slot, (seq, chain, (_, _, d, _)) in enumerate(zip(seqs, chains, calls)):
+        for seq, chain, slot, (_, _, d, _) in zip(seqs, chains, slots, calls):
             self._after_draft(seq, len(chain), depth)
             rows = [o[0].reshape(depth, size, -1)[:d, slot] for o in outputs]
             drafts.append(_chain_draft(*rows, d, sampled=kind == "sampled_draft"))
@@ -411,27 +412,35 @@ class OrtRuntime(Runtime):
                     for out in self._run_batch(calls[i:i + step], last_only[i:i + step])]
         n, size = len(calls), next(b for b in BATCH_SIZES if b >= len(calls))
         scratch = self._scratch = self._scratch or SequenceState(self._allocate(1), 1, 1)
+        binding, slots = self._bind_batch(size, [seq for seq, *_ in calls], scratch)
+        # Each call in its slot; the spare slots score one token on the scratch cache.
+        held: list = [None] * size   # slot -> its call's index
+        for i, slot in enumerate(slots):
+            held[slot] = i
         spare = (scratch, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool))
-        calls = list(calls) + [spare] * (size - len(calls))
-        binding = self._bind_batch(size, [seq for seq, *_ in calls])
-        sizes = [len(tokens) for _, tokens, _, _ in calls]
-        binding.feed("input_ids", np.concatenate([tokens for _, tokens, _, _ in calls])[None])
-        binding.feed("position_ids", np.concatenate([positions for _, _, positions, _ in calls])[None])
+        in_slot = [spare if i is None else calls[i] for i in held]
+        sizes = [len(tokens) for _, tokens, _, _ in in_slot]
+        binding.feed("input_ids", np.concatenate([tokens for _, tokens, _, _ in in_slot])[None])
+        binding.feed("position_ids", np.concatenate([positions for _, _, positions, _ in in_slot])[None])
         binding.feed("slot_tokens", np.asarray(sizes, dtype=np.int64))
-        # Logits of each call's tokens (a prompt's last only); none for the spare slots.
-        ends = np.cumsum(sizes)[:n]
-        rows = [np.arange(end - 1 if last else end - t, end) for end, t, last in zip(ends, sizes, last_only)]
+        # Logits of each call's tokens (a prompt's last only), in slot order; none for the spare slots.
+        ends = np.cumsum(sizes)
+        rows = [np.arange(end - 1 if last_only[i] else end - t, end)
+                for end, t, i in zip(ends, sizes, held) if i is not None]
         binding.feed(LOGIT_ROWS, np.concatenate(rows), fresh=True)
-        for slot, (seq, tokens, positions, visible) in enumerate(calls):
+        for slot, (seq, tokens, positions, visible) in enumerate(in_slot):
             _feed_attention(binding, seq.length + seq.pending, tokens, positions, visible, f".{slot}")
         logits = binding.run((1, sum(map(len, rows)), self.config.vocab_size))
-        return np.split(logits[0], np.cumsum([len(r) for r in rows])[:-1])
+        pieces = np.split(logits[0], np.cumsum([len(r) for r in rows])[:-1])
+        out: list = [None] * n
+        for i, piece in zip([i for i in held if i is not None], pieces):
+            out[i] = piece
+        return out
 
-    def _bind_batch(self, size: int, seqs: list[SequenceState]):
-        """The binding of the session for batches of ``size``, with each sequence's cache as its
-        slot's past and present. One binding per session, kept: only the slots whose cache is
-        another buffer than last time are bound again (binding a slot's 2 x layers buffers costs
-        ~0.3 ms)."""
+    def _bind_batch(self, size: int, seqs: list[SequenceState], spare: SequenceState):
+        """The binding of the session for batches of ``size``, with each sequence's cache bound
+        as its slot's past and present (the spare slots' ``spare``'s), and each sequence's slot.
+        One binding per session, kept: see :func:`_bind_slots`."""
         from ..export.ort_lowering import batch_sequences, slot_names
 
         entry = self._batched.get(size)   # (read once: a trim may clear the dict meanwhile)
@@ -443,8 +452,7 @@ class OrtRuntime(Runtime):
         def names(slot: int):
             inputs, outputs = slot_names(self.config.num_layers, slot)
             return list(zip(inputs[3::2], inputs[4::2])), [[k, v] for k, v in zip(outputs[::2], outputs[1::2])]
-        _bind_slots(binding.io, bound, seqs, names)
-        return binding
+        return binding, _bind_slots(binding.io, bound, seqs, spare, size, names)
 
     @property
     def batch_sessions(self) -> list[int]:
@@ -494,15 +502,37 @@ def _bind_kv(io, seq: SequenceState, pasts: list[tuple[str, str]], presents: lis
                 io.bind_output(present, "cpu", 0, np.float32, shape, address)
 
 
-def _bind_slots(io, bound: dict, seqs: list[SequenceState], names) -> None:
-    """Bind each slot's sequence cache in a batched session (``names(slot)``: its pasts and
-    presents, as :func:`_bind_kv` takes them), except where the slot has that very buffer bound
-    already (``bound``: slot -> its buffer's address and shape, kept with the binding)."""
-    for slot, seq in enumerate(seqs):
-        key = (seq.kv.ctypes.data, seq.kv.shape)
-        if bound.get(slot) != key:
+def _bind_slots(io, bound: dict, seqs: list[SequenceState], spare: SequenceState, size: int, names) -> list[int]:
+    """Give each of ``seqs`` a slot of a batched session of ``size`` slots, with its cache bound
+    there (``names(slot)``: the slot's pasts and presents, as :func:`_bind_kv` takes them), and
+    bind ``spare``'s cache in the slots left; returns each sequence's slot.
+
+    ``bound`` (slot -> the address and shape of the buffer bound there, kept with the binding)
+    keeps a sequence in the slot it had, and the spare cache in its slots, so a batch binds only
+    the caches new to the session: binding a slot's 2 x layers buffers costs ~0.15 ms, and
+    holds the GIL (16 streams behind Triton, with slots given in arrival order, binding was ~18%
+    of the time the fused model's process held the GIL)."""
+    key = lambda seq: (seq.kv.ctypes.data, seq.kv.shape)
+    where = {k: slot for slot, k in bound.items()}
+    slots: list = [None] * len(seqs)
+    free = set(range(size))
+    for i, seq in enumerate(seqs):
+        slot = where.get(key(seq))
+        if slot in free:
+            slots[i] = slot
+            free.discard(slot)
+    # A new sequence takes a slot bound to neither it nor the spare cache first.
+    order = sorted(free, key=lambda slot: (bound.get(slot) == key(spare), slot))
+    for i, slot in enumerate(slots):
+        if slot is None:
+            slots[i] = order.pop(0)
+    held = dict(zip(slots, seqs))
+    for slot in range(size):
+        seq = held.get(slot, spare)
+        if bound.get(slot) != key(seq):
             _bind_kv(io, seq, *names(slot))
-            bound[slot] = key
+            bound[slot] = key(seq)
+    return slots
 
 
 def _chain_draft(drafted: np.ndarray, top: np.ndarray, last: np.ndarray, depth: int, sampled: bool) -> ChainDraft:
