@@ -129,6 +129,7 @@ def bls(pb, model: str, inputs: Tensors) -> Tensors:
 
 
 STREAM_INTERVAL = 0.02   # seconds: at most one streamed response per request this often
+FUSED_SWITCH_INTERVAL = 0.001   # seconds: sys.setswitchinterval in the fused orchestrator's process
 
 
 class ResponseStream:
