@@ -49,6 +49,13 @@ class Stats:
     total_seconds: float = 0.0
     stop_reason: str = ""
 
+    def add_step(self, part: "Stats") -> None:
+        """Add what a step's drafting and verification counted in ``part`` (its own Stats)."""
+        self.draft_tokens += part.draft_tokens
+        self.accepted_draft_tokens += part.accepted_draft_tokens
+        self.ssm_seconds += part.ssm_seconds
+        self.llm_seconds += part.llm_seconds
+
     @property
     def steps(self) -> int:
         return len(self.tokens_per_step)

@@ -10,8 +10,11 @@ to the scheduler's thread and wait. That thread takes whatever is ready, as one 
     each sequence verifies its tree and commits the accepted path        (LocalSpeculator.settle)
 
 so the step algorithm is the one of :class:`~specinfer.generate.LocalSpeculator`, and requests join
-and leave between batches. Before it waits, the thread gives running sequences that have not
-asked for their next step yet a moment (``gather_seconds``) to do so.
+and leave between batches. A settled step's successor (from its bonus token) is queued at once,
+before the request's thread asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
+not wait for the requests' threads to handle their tokens, and a request that then stops wastes
+that one step. Before it waits, the thread gives running sequences that have no step queued a
+moment (``gather_seconds``) to ask.
 
 The tree a request verifies gets smaller as more requests run: their trees share
 ``batch_tree_tokens`` nodes (SpecInfer finds small trees best from a batch of 4 up; here, on 2
@@ -87,7 +90,7 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-@dataclass
+@dataclass(eq=False)   # a job is itself: `in` compares identity
 class _Job:
     """A sequence's request to the scheduler's thread: a start (prefix) or a step (root, budget;
     or a tree drafted elsewhere, to verify)."""
@@ -98,6 +101,7 @@ class _Job:
     root: int = 0
     budget: int = DEFAULT_BUDGET
     tree: TokenTree | None = None
+    stats: Stats | None = None  # a step's own accounting, added to its request's when it takes the result
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
@@ -209,10 +213,18 @@ class Scheduler:
     # --- the scheduler's thread --------------------------------------------------------------------
     def _submit(self, job: _Job):
         with self._lock:
-            if self._closed:
-                raise ServerBusy("the scheduler is closed")
-            self._jobs.append(job)
-            self._lock.notify_all()
+            self._queue(job)
+        return self._wait(job)
+
+    def _queue(self, job: _Job) -> None:
+        """Queue ``job`` for the next batch. Called under ``_lock``."""
+        if self._closed:
+            raise ServerBusy("the scheduler is closed")
+        self._jobs.append(job)
+        self._lock.notify_all()
+
+    @staticmethod
+    def _wait(job: _Job):
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -298,6 +310,8 @@ class Scheduler:
         self.batched_sequences += len(jobs)
         # Shared by the requests running, not only those in this batch: the others come next batch.
         running = max(len(steps), len(self.running))
+        for job in steps:   # each sequence has one job in a batch: its accounting goes to the job
+            job.spec.local.stats = job.stats if job.stats is not None else job.spec.stats
         share = max(MIN_TREE, self.batch_tree_tokens // running if running > 1 else DEFAULT_BUDGET)
         t0 = time.perf_counter()
         trees = {id(job): job.tree for job in steps if job.tree is not None}
@@ -333,13 +347,15 @@ class Scheduler:
         seconds = time.perf_counter() - started
         self.seconds["draft"] += started - t0
         self.seconds["llm"] += seconds
+        verified = []   # (step, its result): woken together below, so that their requests' threads
+        # do not take the interpreter's lock from this one while it verifies the others
         for job, logits in zip(live, outputs):
             if isinstance(logits, Exception):
                 job.finish(error=logits)
                 continue
             try:
                 if job.prefix is None:
-                    job.finish(job.spec.local.settle(trees[id(job)], logits, seconds))
+                    verified.append((job, job.spec.local.settle(trees[id(job)], logits, seconds)))
                 else:
                     chunk = len(chunks[id(job)])
                     self.llm.commit(job.spec.local.seq, range(chunk))
@@ -349,11 +365,14 @@ class Scheduler:
                 job.finish(error=e)
         # A start whose prompt is all in is done; the others go first in the next batch.
         unfinished = [job for job in starts if not job.done.is_set() and job.prefilled < len(job.prefix)]
-        for job in starts:
-            if not job.done.is_set() and job.prefilled == len(job.prefix):
-                job.finish()
         self.seconds["verify"] += time.perf_counter() - started - seconds
         with self._lock:
+            for job, result in verified:
+                job.finish(result)
+                job.spec.settled(job)
+            for job in starts:
+                if not job.done.is_set() and job.prefilled == len(job.prefix):
+                    job.finish()
             self._trimmed = False
             self._active()
         return unfinished
@@ -395,6 +414,9 @@ class BatchedSpeculator:
         self.max_context = scheduler.llm.max_context
         self.local: LocalSpeculator | None = None
         self.reserved = 0
+        self.length = 0            # tokens in the LLM's cache (committed), as decode counts them
+        self.produced = 0          # tokens the settled steps emitted (paths' tokens and bonus)
+        self.ahead: _Job | None = None   # the next step, queued before the request asked for it
 
     def start(self, prefix: list[int]) -> None:
         job = self.open(prefix)
@@ -421,11 +443,54 @@ class BatchedSpeculator:
         except BaseException:
             self.release()
             raise
-        self.max_context = tokens
+        self.max_context, self.length = tokens, len(prefix)
         return _Job(self, prefix=[int(t) for t in prefix])
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
-        return self.scheduler._submit(_Job(self, root=int(root), budget=budget))
+        """One step from ``root`` (the last step's bonus token). The step after it is queued as
+        soon as this one is settled, before the request asks (see :meth:`settled`); this takes it."""
+        s = self.scheduler
+        with s._lock:
+            job, self.ahead = self.ahead, None
+            if job is not None and job in s._jobs:   # not run yet: it takes the request's own budget
+                job.root, job.budget = int(root), budget
+            elif job is not None and job.root != root:
+                raise SpecInferError(f"a step from token {root} was asked for, but the sequence's next step, "
+                                     f"from its last bonus token {job.root}, has run already")
+            if job is None:
+                job = _Job(self, root=int(root), budget=budget, stats=Stats())
+                s._queue(job)
+            elif job.done.is_set():   # settled before it was asked for: the next one goes now
+                self._queue_next(job)
+        try:
+            return s._wait(job)
+        finally:
+            self.stats.add_step(job.stats)
+
+    def settled(self, job: _Job) -> None:
+        """``job``, a step, is settled: count what it emitted, and queue the next step if the
+        request already took this one (otherwise :meth:`step` queues it when it does). Called
+        under the scheduler's lock."""
+        if job.stats is None:   # a tree verified for the ``llm`` model: its caller steps it
+            return
+        path, _ = job.result
+        self.length += len(path)
+        self.produced += len(path)
+        if self.ahead is None:
+            self._queue_next(job)
+
+    def _queue_next(self, last: _Job) -> None:
+        """Queue the step after ``last`` (settled), which the request's loop (:func:`decode`) asks
+        for next unless it stops: at EOS, a stop word or a cancel, that step is wasted work; at
+        ``max_new_tokens`` or the end of the sequence's room there is none. Running it ahead is
+        what lets the scheduler's next batch start while the requests' threads still handle the
+        last one's tokens. Called under the scheduler's lock."""
+        room = self.max_context - self.length
+        if last.error is not None or self.local is None or self.scheduler._closed or room < 1 \
+                or self.produced >= self.max_new_tokens:
+            return
+        self.ahead = _Job(self, root=last.result[1], budget=min(last.budget, room), stats=Stats())
+        self.scheduler._queue(self.ahead)
 
     def verify_job(self, tree: TokenTree) -> _Job:
         """The job of a step whose tree was drafted elsewhere (the served ``llm`` model's: the SSM
@@ -437,6 +502,7 @@ class BatchedSpeculator:
         s = self.scheduler
         with s._lock:
             s.running.discard(self)
+            self.ahead = None   # if queued, the batch that takes it finds the sequence released
             s._active()
         if self.local is not None:
             with s._run_lock:   # never free a buffer that a running batch writes

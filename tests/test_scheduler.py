@@ -334,3 +334,35 @@ def test_sampling_under_batching_keeps_the_llm_distribution(tiny_vocab):
     assert counts.sum() == TRIALS and scheduler.mean_batch > 2
     p = chi_square_p(counts, exact_first_two(llm, params))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's under batching (chi-square p = {p:.2e})"
+
+
+def test_the_next_step_runs_before_it_is_asked_for_and_a_stop_wastes_only_that_step(models):
+    """A settled step's successor is queued at once (the scheduler's next batch need not wait for
+    the request's thread); its accounting reaches the request's statistics only when taken, and a
+    request that stops frees it with the rest."""
+    llm, ssms = models
+    scheduler = Scheduler(llm, ssms)
+    prompt, n = PROMPTS[0], 30
+    stats = Stats()
+    spec = scheduler.speculator(n, tree=parse_tree("1,1,1"), stats=stats)
+    steps = decode(spec, prompt, n, [EOS], stats=stats)
+    first = next(steps)
+    deadline = time.monotonic() + 10
+    while not (spec.ahead is not None and spec.ahead.done.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spec.ahead is not None and spec.ahead.done.is_set()   # ran before the loop asked for it
+    assert (stats.steps, stats.draft_tokens) == (1, 3)            # ...and is not counted yet
+    assert stats.accepted_draft_tokens == len(first) - 1
+    second = next(steps)
+    assert (stats.steps, stats.draft_tokens) == (2, 6)
+    assert stats.accepted_draft_tokens == len(first) + len(second) - 2
+    assert first + second == alone(llm, prompt, n)[:len(first + second)]
+    with pytest.raises(SpecInferError, match="has run already"):   # a sequence goes on from its bonus
+        deadline = time.monotonic() + 10
+        while not spec.ahead.done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        spec.step(second[-1] + 1, 4)
+    steps.close()
+    assert scheduler.reserved == 0 and scheduler.sequences == []
+    assert all(rt.sequences() == [] for rt in [llm] + ssms)
+    assert run_together(scheduler, PROMPTS[:2], 20) == [alone(llm, p, 20) for p in PROMPTS[:2]]
