@@ -414,7 +414,6 @@ class BatchedSpeculator:
         self.max_context = scheduler.llm.max_context
         self.local: LocalSpeculator | None = None
         self.reserved = 0
-        self.length = 0            # tokens in the LLM's cache (committed), as decode counts them
         self.produced = 0          # tokens the settled steps emitted (paths' tokens and bonus)
         self.ahead: _Job | None = None   # the next step, queued before the request asked for it
 
@@ -443,7 +442,7 @@ class BatchedSpeculator:
         except BaseException:
             self.release()
             raise
-        self.max_context, self.length = tokens, len(prefix)
+        self.max_context = tokens
         return _Job(self, prefix=[int(t) for t in prefix])
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
@@ -473,9 +472,7 @@ class BatchedSpeculator:
         under the scheduler's lock."""
         if job.stats is None:   # a tree verified for the ``llm`` model: its caller steps it
             return
-        path, _ = job.result
-        self.length += len(path)
-        self.produced += len(path)
+        self.produced += len(job.result[0])
         if self.ahead is None:
             self._queue_next(job)
 
@@ -485,9 +482,11 @@ class BatchedSpeculator:
         ``max_new_tokens`` or the end of the sequence's room there is none. Running it ahead is
         what lets the scheduler's next batch start while the requests' threads still handle the
         last one's tokens. Called under the scheduler's lock."""
-        room = self.max_context - self.length
-        if last.error is not None or self.local is None or self.scheduler._closed or room < 1 \
+        if last.error is not None or self.local is None or self.scheduler._closed \
                 or self.produced >= self.max_new_tokens:
+            return
+        room = self.max_context - self.scheduler.llm.length(self.local.seq)   # as decode counts it
+        if room < 1:
             return
         self.ahead = _Job(self, root=last.result[1], budget=min(last.budget, room), stats=Stats())
         self.scheduler._queue(self.ahead)
