@@ -331,6 +331,7 @@ class StreamedRequest:
     def __init__(self, fail: bool = False):
         self.sent: list[tuple[Response, int]] = []
         self.cancel, self.fail = False, fail
+        self.asked = 0   # is_cancelled calls: each a round trip to the server process
 
     def get_response_sender(self):
         return SimpleNamespace(send=self._send)
@@ -341,6 +342,7 @@ class StreamedRequest:
         self.sent.append((response, flags))
 
     def is_cancelled(self) -> bool:
+        self.asked += 1
         return self.cancel
 
 
@@ -403,6 +405,16 @@ def test_a_cancel_is_seen_between_sends_and_a_failed_send_ends_the_request():
     stream.send(piece("a", [1]))
     until(lambda: stream.cancelled)
     assert "a response could not be sent" in pb.logged[-1]
+
+
+def test_a_cancel_is_asked_every_poll_seconds_not_after_every_send():
+    pb, request = fake_pb(), StreamedRequest()
+    stream = glue.ResponseStream(pb, request, merge_responses, "ensemble", interval=0.0, poll_seconds=2.0)
+    for i in range(20):                       # each sent alone, well within the 2 s
+        stream.send(piece("a", [i]))
+        until(lambda: sum(len(outputs(r)["output_ids"]) for r, _ in request.sent) == i + 1)
+    assert len(request.sent) == 20 and request.asked <= 1
+    until(lambda: request.asked > 0)          # due: asked without a response to send
 
 
 def test_metrics_are_observed_in_order_off_the_callers_thread():

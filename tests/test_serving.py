@@ -3,6 +3,7 @@ orchestration over in-process model objects wired as the spec_step ensemble wire
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -453,6 +454,28 @@ def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(mo
     assert len(metrics.accepted.values) == len(steps) == len(metrics.step_seconds.values)
     assert len(metrics.gauges) == 2 and metrics.gauges[0][0] == 1 and metrics.gauges[0][1] > 0
     assert metrics.gauges[1] == (0, 0)
+
+
+def test_the_fused_step_time_is_the_steps_own_compute_not_the_wait_for_it():
+    """A scheduler's step may have run ahead: what the request waited is not what the step cost."""
+    from specinfer.generate import Stats
+    from specinfer.serving.triton_glue import MeteredSpeculator
+
+    class RanAhead:   # each step ran before it was asked for: 2 ms of drafting and 3 of LLM, then a wait
+        max_context, stats = 64, Stats()
+
+        def step(self, root, budget):
+            time.sleep(0.05)
+            self.stats.ssm_seconds += 0.002
+            self.stats.llm_seconds += 0.003
+            return [root], root + 1
+
+    observed = {"step_seconds": [], "accepted": []}
+    metrics = SimpleNamespace(step_seconds="step_seconds", accepted="accepted",
+                              observe_later=lambda histogram, value: observed[histogram].append(value))
+    speculator = MeteredSpeculator(RanAhead(), metrics, None)
+    assert speculator.step(5, 4) == ([5], 6) and speculator.step(6, 4) == ([6], 7)
+    assert observed == {"step_seconds": pytest.approx([0.005, 0.005]), "accepted": [1, 1]}
 
 
 def test_a_verification_that_raises_leaves_the_sequence_usable(served_pair, monkeypatch):
