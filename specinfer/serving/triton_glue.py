@@ -129,8 +129,8 @@ def bls(pb, model: str, inputs: Tensors) -> Tensors:
 
 
 # Seconds: at most one streamed response per request this often. Each response is work for
-# tritonserver and the client on the same cores: 16 streams served made 6-17% more tokens/s at 0.05
-# than at 0.02 (README, "The default interval is 50 ms").
+# tritonserver and the client on the same cores: 16 streams served made 6% and 17% more tokens/s at
+# 0.05 than at 0.02 in two series, within this VM's noise (README, "The default interval is 50 ms").
 STREAM_INTERVAL = 0.05
 # Seconds between a streamed request's questions whether its client cancelled (each a round trip):
 # a cancel stops the request's steps within this (a fused step of one sequence takes 1-3 ms).
