@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .client.cli import add_client_parser
 from .engines.loader import ENGINES
+from .export.draft_vocab import DRAFT_VOCAB_SIZE
 from .scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, parse_bytes
 from .serving.triton_glue import STREAM_INTERVAL
 from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
@@ -322,6 +323,33 @@ def cmd_boost_tune(a) -> None:
     print(f"wrote {a.output}")
 
 
+def cmd_draft_vocab(a) -> None:
+    from tokenizers import Tokenizer
+
+    from .config import load_config
+    from .export.draft_vocab import most_frequent, token_counts, write_draft_vocab
+    from .training.corpus import Corpus, stdlib_corpus
+
+    tokenizer_file = Path(a.tokenizer or a.model_dir) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise SpecInferError(f"no tokenizer.json in {tokenizer_file.parent} (give the LLM's folder as --tokenizer)")
+    vocab_size = load_config(a.model_dir).vocab_size
+    if a.corpus is None:
+        files, source = stdlib_corpus().train, "the standard library's training split (specinfer train's corpus)"
+    else:
+        corpus = Path(a.corpus)
+        files = sorted(corpus.rglob(a.glob)) if corpus.is_dir() else [corpus]
+        source = f"{a.glob} under {corpus}" if corpus.is_dir() else str(corpus)
+    if not files or not all(f.is_file() for f in files):
+        raise SpecInferError(f"no corpus files: {a.corpus} has no {a.glob} files" if files == [] else
+                             f"{a.corpus} is not a file or a folder")
+    counts = token_counts(Tokenizer.from_file(str(tokenizer_file)), Corpus.texts(files), vocab_size)
+    ids = most_frequent(counts, a.size)
+    path = write_draft_vocab(a.model_dir, ids, f"the {a.size} most frequent of {int(counts.sum())} tokens "
+                                               f"in {len(files)} files: {source}")
+    print(f"wrote {path}: {a.size} tokens, {counts[ids].sum() / max(counts.sum(), 1):.1%} of the corpus's tokens")
+
+
 def cmd_distill(a) -> None:
     from .training.corpus import stdlib_corpus
     from .training.distill import DistillConfig, distill
@@ -532,6 +560,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training prompts with the LLM's sampled continuation (temperature 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: the recipe's)")
     p.set_defaults(func=cmd_boost_tune)
+
+    p = sub.add_parser("draft-vocab", help="write an SSM's draft vocabulary: its drafts come from the tokens "
+                                           "most frequent in a corpus (draft_vocab.json in its folder)")
+    p.add_argument("model_dir", help="the SSM's checkpoint folder (the file is written there)")
+    p.add_argument("--tokenizer", default=None, help="folder with the tokenizer.json (default: model_dir; "
+                                                    "an SSM's is usually the LLM's)")
+    p.add_argument("--corpus", default=None, help="a text file or a folder of them (default: the standard "
+                                                  "library's training split, the demo models' corpus)")
+    p.add_argument("--glob", default="*.py", help="files to read under a --corpus folder (default: *.py)")
+    p.add_argument("--size", type=_positive_int, default=DRAFT_VOCAB_SIZE,
+                   help=f"tokens to keep (default: {DRAFT_VOCAB_SIZE})")
+    p.set_defaults(func=cmd_draft_vocab)
 
     p = sub.add_parser("distill", help="fine-tune an SSM on the LLM's whole next-token distribution "
                                        "(for sampling)")

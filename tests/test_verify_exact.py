@@ -463,11 +463,12 @@ class _MoreDraws(Exception):
     """The drafter asked for a draw past the scripted ones."""
 
 
-def sized_sampled_chains(params, monkeypatch, min_confidence=0.0):
+def sized_sampled_chains(params, monkeypatch, min_confidence=0.0, draft_vocab=None):
     """Every chain the real SSMDrafter (sizer, draw_dynamic) can draw and keep, with its probability:
     its draws are scripted (each a token of the drafter's own candidates, weighted by the law the
     proposal says it was drawn from, ``draft_distribution``) and enumerated depth first; what it
-    keeps is the real drafter's and sizer's doing."""
+    keeps is the real drafter's and sizer's doing. ``draft_vocab``: the SSM's (its draws among
+    those tokens only)."""
     import specinfer.engines.runtime as runtime_module
     from specinfer.speculate import draft_distribution, draft_temperature
 
@@ -489,6 +490,7 @@ def sized_sampled_chains(params, monkeypatch, min_confidence=0.0):
 
         monkeypatch.setattr(runtime_module, "chain_draw", scripted_draw)
         runtime = ContextRuntime(lambda ctx: ssm_logits(0, ctx))
+        runtime.draft_vocab = draft_vocab
         drafter = SSMDrafter(runtime, 0, sizer=TreeSizer(SIZING_COST, overhead=0.5), min_confidence=min_confidence,
                              draw_dynamic=True)
         try:
@@ -516,6 +518,20 @@ def test_sampled_chains_of_the_dynamic_tree_are_exact(params, min_confidence, mo
     assert abs(sum(w for w, _ in trees) - 1.0) < TOL
     assert all(pr.q is not None for _, t in trees for ps in t.proposals[1:] for pr in ps)   # drawn, not top tokens
     assert len({depth(t) for _, t in trees}) > 1        # the cut depends on what was drawn
+    gap, agrees = check_exact(trees, params)
+    assert agrees and gap < TOL, gap
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_sampled_chains_from_a_draft_vocabulary_are_exact(params, monkeypatch):
+    """An SSM with a draft vocabulary (draft_vocab.py) draws only its tokens, from the candidates'
+    law renormalized within it, which its proposals carry: MSS keeps the LLM's law (to 1e-9),
+    although the LLM's likeliest tokens may lie outside it."""
+    vocab = np.array([0, 2, 3])
+    trees = sized_sampled_chains(params, monkeypatch, draft_vocab=vocab)
+    drawn = {t for _, tree in trees for t in tree.tokens[1:]}
+    assert drawn and drawn <= set(vocab.tolist())
+    assert all(set(np.flatnonzero(pr.q)) <= set(vocab.tolist()) for _, t in trees for ps in t.proposals[1:] for pr in ps)
     gap, agrees = check_exact(trees, params)
     assert agrees and gap < TOL, gap
 

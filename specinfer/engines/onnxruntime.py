@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
+from ..export.draft_vocab import read_draft_vocab
 from ..export.ort_lowering import LOGIT_ROWS
 from .runtime import ChainDraft, Runtime, SequenceState
 
@@ -185,6 +186,7 @@ class OrtRuntime(Runtime):
         self._drafters = {"draft": self.manifest.get("draft_onnx"), "sampled_draft": self.manifest.get("sampled_draft_onnx")}
         self.draft_depth = self.manifest.get("draft_depth", 1) if self._drafters["draft"] else 1
         self.draft_candidates = self.manifest.get("draft_candidates", self.draft_candidates)
+        self.draft_vocab = read_draft_vocab(self.dir, config.vocab_size)   # its drafters score these only
         self._draft_graphs: dict[str, object] = {}            # kind -> the export's drafter graph
         self._draft_sessions: dict[tuple[str, int], object] = {}   # (kind, steps) -> its session
         # (kind, steps, batch size) -> the batched drafter's session, binding and each slot's cache

@@ -96,6 +96,9 @@ class Runtime(abc.ABC):
     draft_depth: int = 1
     # Candidates a sampled draft_chain draws among at each depth (the likeliest; see chain_draw).
     draft_candidates: int = 16
+    # The tokens draft_chain drafts from (sorted ids; None: every token): the model's draft
+    # vocabulary (specinfer/export/draft_vocab.py), read from its folder by each engine.
+    draft_vocab: np.ndarray | None = None
     # Slots a sequence's KV buffer starts with; it doubles as the sequence grows, up to the capacity
     # asked at start. None: the whole capacity at once (an engine that cannot move its buffers).
     initial_slots: int | None = None
@@ -274,15 +277,20 @@ class Runtime(abc.ABC):
         probabilities under the model returned too), or sampled with ``noise`` float32
         [>= depth, :attr:`draft_candidates`], step i drawing among its likeliest tokens by
         Gumbel-max with ``noise[i]`` (:func:`chain_draw`; the candidates and their logits
-        returned). The drafted tokens but the last are left pending after ``tokens``, as a chain:
-        with m nodes pending before the call, pending node ``m + len(tokens) + i`` is draft token
-        i. An engine may draft more tokens than asked (and leave them pending) to do it in one
+        returned); both among the tokens of :attr:`draft_vocab` only, when the model has one
+        (probabilities then within it). The drafted tokens but the last are left pending after
+        ``tokens``, as a chain: with m nodes pending before the call, pending node ``m +
+        len(tokens) + i`` is draft token i. An engine may draft more tokens than asked (and leave them pending) to do it in one
         call, never more than :attr:`draft_depth`.
         """
         self._check_pending_chain(seq_id)
         logits = self.score(seq_id, tokens)[-1]
         draft = ChainDraft([], [], [], [], [], [])
         for i in range(depth):
+            if self.draft_vocab is not None:   # nothing outside it: no mass, never a top token
+                within = np.full(len(logits), -np.inf, np.float32)
+                within[self.draft_vocab] = logits[self.draft_vocab]
+                logits = within
             if noise is None:
                 first, p_first, second, p_second = chain_step(logits)
                 draft.runner_up.append(second)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SpecInferError
+from ..export.draft_vocab import read_draft_vocab
 from ..plugins.tree_attention import pack_bits
 from .runtime import Runtime, SequenceState
 from .tensorrt_build import pick_profile, read_engine_manifest, require_tensorrt
@@ -37,6 +38,7 @@ class TrtRuntime(Runtime):
         config = ModelConfig.from_dict(self.manifest["config"])
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
+        self.draft_vocab = read_draft_vocab(self.dir, config.vocab_size)   # copied by the build
         self.torch = torch
         self.device = torch.device(device)
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[self.manifest["dtype"]]

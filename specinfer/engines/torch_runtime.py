@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import load_config
+from ..export.draft_vocab import read_draft_vocab
 from ..model import LlamaModel, load_model
 from ..plugins.tree_attention import pack_bits
 from .runtime import Runtime, SequenceState
@@ -19,6 +21,7 @@ class TorchRuntime(Runtime):
     def __init__(self, model: LlamaModel | str | Path, max_context: int | None = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32):
         if not isinstance(model, LlamaModel):
+            self.draft_vocab = read_draft_vocab(model, load_config(model).vocab_size)
             model = load_model(model, dtype)
         self.model = model.to(device).eval()
         self.device, self.dtype = device, next(model.parameters()).dtype

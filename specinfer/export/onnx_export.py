@@ -21,6 +21,7 @@ from ..config import ModelConfig, check_context, load_config
 from ..errors import SpecInferError
 from ..plugins import onnx_function
 from ..plugins.tree_attention import tree_mask_from_parents
+from .draft_vocab import DRAFT_VOCAB, read_draft_vocab
 
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
@@ -145,6 +146,7 @@ def export_model(
     if max_context < 2:
         raise SpecInferError(f"--max-context must be at least 2, got {max_context}")
     check_context(config, max_context)
+    draft_vocab = read_draft_vocab(model_dir, config.vocab_size)
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     steps = ["load weights", "trace to ONNX", "write", "validate", "lower for ONNX Runtime"]
     bar, advance = _progress(steps) if progress else (None, lambda i: None)
@@ -186,7 +188,7 @@ def export_model(
     (out_dir / (ONNX_FILE + ".data")).unlink(missing_ok=True)
     large = proto.ByteSize() > external_data_bytes
     onnx.save(proto, onnx_path, save_as_external_data=large, location=ONNX_FILE + ".data")
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + (DRAFT_VOCAB,):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out_dir / name)
     manifest = {
@@ -211,7 +213,7 @@ def export_model(
             manifest["validation"]["method"] = ("bf16 weights computed in float32 on both sides (ONNX Runtime's CPU "
                                                 "provider has no bf16 kernels); bf16 activations unchecked")
     advance(4)
-    _write_ort_lowering(model.float(), flat, out_dir, max_context, validate, manifest)
+    _write_ort_lowering(model.float(), flat, out_dir, max_context, validate, manifest, draft_vocab)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     if bar is not None:
         bar.update(1)
@@ -219,12 +221,14 @@ def export_model(
     return ExportResult(out_dir, onnx_path, manifest, diffs)
 
 
-def _write_ort_lowering(model, flat, out_dir: Path, max_context: int, validate: bool, manifest: dict) -> None:
-    """Write the graphs the ONNX Runtime engine runs (the model, and its one-call chain drafter),
-    and check the model's against the float32 PyTorch model. Both graphs read one weights file."""
+def _write_ort_lowering(model, flat, out_dir: Path, max_context: int, validate: bool, manifest: dict,
+                        draft_vocab: np.ndarray | None = None) -> None:
+    """Write the graphs the ONNX Runtime engine runs (the model, and its one-call chain drafter,
+    scoring ``draft_vocab`` only when given), and check the model's against the float32 PyTorch
+    model. The graphs read one weights file."""
     from . import ort_lowering
 
-    files = ort_lowering.save(model, out_dir, max_context, ort_lowering.DRAFT_DEPTH)
+    files = ort_lowering.save(model, out_dir, max_context, ort_lowering.DRAFT_DEPTH, draft_vocab)
     if validate:
         diffs = ort_lowering.validate_lowering(str(out_dir / files["ort_onnx"]), flat, model.config, max_context,
                                                TOLERANCE["fp32"])

@@ -128,7 +128,8 @@ class _Graph:
         return self.weight(name, module.weight.detach().float().numpy())
 
     def decoder(self, tag: str, input_ids: str, position_ids: str, seqlens_k: str, total: str,
-                bias: str, presents: list[tuple[str, str]], last_only: bool = False) -> str:
+                bias: str, presents: list[tuple[str, str]], last_only: bool = False,
+                head_rows: np.ndarray | None = None) -> str:
         """The model over new tokens ``input_ids``; returns its logits' name ([B, T, V], or [B, 1, V]
         with ``last_only``). ``presents[i]`` names layer i's present key and value outputs."""
         c, eps = self.config, float(self.config.rms_norm_eps)
@@ -169,6 +170,8 @@ class _Graph:
         x = node("SkipSimplifiedLayerNormalization", [residual, pending, self.norm(self.model.model.norm, "final_norm")],
                  [f"{tag}final_norm.out"], domain=MS, epsilon=eps)[0]
         lm_head = self.model.lm_head.weight.detach().float().numpy().T
+        if head_rows is not None:   # logits of these tokens only, in their order
+            return node("MatMul", [x, self.weight("lm_head.draft_vocab", lm_head[:, head_rows])], [f"{tag}logits"])[0]
         return node("MatMul", [x, self.weight("lm_head", lm_head)], [f"{tag}logits"])[0]
 
     def constant(self, name: str, array: np.ndarray) -> str:
@@ -219,7 +222,7 @@ def lower(model: "LlamaModel", max_context: int) -> "onnx.ModelProto":
 
 def draft_candidates(vocab_size: int) -> int:
     """The tokens a sampled drafter's step draws among: ``DRAFT_CANDIDATES``, or the whole of a
-    smaller vocabulary."""
+    smaller vocabulary (or draft vocabulary)."""
     return min(DRAFT_CANDIDATES, vocab_size)
 
 
@@ -236,7 +239,8 @@ def drafter_presents_by_layer(num_layers: int, depth: int, suffix: str = "") -> 
     return [[name + suffix for step in steps for name in step[2 * i:2 * i + 2]] for i in range(num_layers)]
 
 
-def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bool = False) -> "onnx.ModelProto":
+def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bool = False,
+                  draft_vocab: np.ndarray | None = None) -> "onnx.ModelProto":
     """A chain of ``depth`` tokens drafted in one session run: greedy, or ``sampled``.
 
     Step 0 scores ``input_ids`` (tokens the model has not seen, the root last), every later step
@@ -250,6 +254,8 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     temperature x Gumbel(0, 1) noise, so the draw follows softmax(logits / temperature) over
     them); outputs ``draft_tokens`` and ``draft_logits`` [1, depth, K] (the candidates, likeliest
     first) and ``draft_choice`` int64 [1, depth, 1], the index among them of the token drawn.
+    ``draft_vocab`` (sorted token ids, see ``draft_vocab.py``): the head scores those tokens only
+    (the outputs still name tokens by their ids).
     The cache gains the KV of the inputs and of the first depth - 1 draft tokens.
     Every new token sees everything before it (the cache holds only committed tokens when a draft
     starts) and its position is its slot, so the graph takes neither a bias nor positions: the
@@ -263,7 +269,7 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     presents = drafter_present_names(c.num_layers, depth)
     one = g.constant("one_i32", np.array(1, np.int32))
     ids, seqlens, total = "input_ids", "seqlens_k", "total_sequence_length"
-    k = draft_candidates(c.vocab_size) if sampled else 2
+    k = draft_candidates(c.vocab_size if draft_vocab is None else len(draft_vocab)) if sampled else 2
     tokens, top_logits, last = [], [], []   # last: the mass (greedy) or the choice (sampled) per step
     for j in range(depth):
         tag = f"step{j}/"
@@ -271,9 +277,12 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
             seqlens = g.node("Add", [seqlens, one], [f"{tag}seqlens_k"])[0]
             total = g.node("Add", [total, one], [f"{tag}total"])[0]
         logits = g.decoder(tag, ids, "", seqlens, total, "", list(zip(presents[j][0::2], presents[j][1::2])),
-                           last_only=True)                                                # [1, 1, V]
+                           last_only=True, head_rows=draft_vocab)                       # [1, 1, V]
         top, index = g.node("TopK", [logits, g.constant(f"k{k}", np.array([k], np.int64))],
                             [f"{tag}top", f"{tag}index"], axis=-1)                         # [1, 1, k]
+        if draft_vocab is not None:   # positions in the draft vocabulary -> token ids
+            index = g.node("Gather", [g.constant("draft_vocab", np.asarray(draft_vocab, np.int64)), index],
+                           [f"{tag}token_ids"], axis=0)[0]
         tokens.append(index)
         top_logits.append(top)
         if sampled:
@@ -304,9 +313,10 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     return g.model_proto(inputs, outputs)
 
 
-def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPTH) -> dict[str, object]:
-    """Write the lowered model and its drafter into ``out_dir``, their weights once in one file;
-    returns the manifest entries naming them."""
+def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPTH,
+         draft_vocab: np.ndarray | None = None) -> dict[str, object]:
+    """Write the lowered model and its drafters (scoring ``draft_vocab`` only, when given) into
+    ``out_dir``, their shared weights once in one file; returns the manifest entries naming them."""
     import onnx
     from onnx import external_data_helper
 
@@ -317,7 +327,7 @@ def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPT
               location=WEIGHTS, size_threshold=1024)
     stored = {t.name: t for t in onnx.load(out_dir / ORT_ONNX, load_external_data=False).graph.initializer}
     for sampled, name in ((False, DRAFT_ONNX), (True, SAMPLED_DRAFT_ONNX)):
-        draft = lower_drafter(model, max_context, depth, sampled)
+        draft = lower_drafter(model, max_context, depth, sampled, draft_vocab)
         for tensor in draft.graph.initializer:  # the same weights under the same names: point at them
             if tensor.name in stored and stored[tensor.name].data_location == onnx.TensorProto.EXTERNAL:
                 info = {e.key: e.value for e in stored[tensor.name].external_data}
@@ -326,7 +336,8 @@ def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPT
                 tensor.ClearField("raw_data")
         onnx.save(draft, out_dir / name)
     return {"ort_onnx": ORT_ONNX, "draft_onnx": DRAFT_ONNX, "sampled_draft_onnx": SAMPLED_DRAFT_ONNX,
-            "draft_depth": depth, "draft_candidates": draft_candidates(model.config.vocab_size),
+            "draft_depth": depth,
+            "draft_candidates": draft_candidates(model.config.vocab_size if draft_vocab is None else len(draft_vocab)),
             "ort_head_dim": lowered_head_dim(model.config.head_dim)}
 
 
