@@ -280,8 +280,8 @@ class Runtime(abc.ABC):
         returned); both among the tokens of :attr:`draft_vocab` only, when the model has one
         (probabilities then within it). The drafted tokens but the last are left pending after
         ``tokens``, as a chain: with m nodes pending before the call, pending node ``m +
-        len(tokens) + i`` is draft token i. An engine may draft more tokens than asked (and leave them pending) to do it in one
-        call, never more than :attr:`draft_depth`.
+        len(tokens) + i`` is draft token i. An engine may draft more tokens than asked (and leave
+        them pending) to do it in one call, never more than :attr:`draft_depth`.
         """
         self._check_pending_chain(seq_id)
         logits = self.score(seq_id, tokens)[-1]

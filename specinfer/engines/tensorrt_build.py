@@ -36,6 +36,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..errors import SpecInferError
+from ..export.draft_vocab import DRAFT_VOCAB
 from ..plugins import onnx_function
 from ..plugins.tree_attention import BITS_PER_WORD
 
@@ -49,8 +50,8 @@ MAX_TREE_TOKENS = 256
 # TensorRT against ONNX Runtime, max |difference| allowed, on logits and on the new KV. bf16 is
 # compared with ONNX Runtime computing the bf16 weights in float32 (its CPU provider has no bf16).
 TOLERANCE = {"fp16": {"atol": 5e-2, "rtol": 1e-2}, "bf16": {"atol": 2.5e-1, "rtol": 5e-2}}
-COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "draft_vocab.json",
-          "config.json")
+COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+          "config.json", DRAFT_VOCAB)
 
 
 def read_export(onnx_dir: str | Path) -> dict:
