@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import load_config
 from ..export.draft_vocab import read_draft_vocab
 from ..model import LlamaModel, load_model
 from ..plugins.tree_attention import pack_bits
@@ -20,9 +19,9 @@ from .runtime import Runtime, SequenceState
 class TorchRuntime(Runtime):
     def __init__(self, model: LlamaModel | str | Path, max_context: int | None = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32):
-        if not isinstance(model, LlamaModel):
-            self.draft_vocab = read_draft_vocab(model, load_config(model).vocab_size)
-            model = load_model(model, dtype)
+        if not isinstance(model, LlamaModel):   # a checkpoint folder, with its draft vocabulary if any
+            folder, model = model, load_model(model, dtype)
+            self.draft_vocab = read_draft_vocab(folder, model.config.vocab_size)
         self.model = model.to(device).eval()
         self.device, self.dtype = device, next(model.parameters()).dtype
         super().__init__(model.config, max_context or model.config.max_position_embeddings)

@@ -220,10 +220,10 @@ def lower(model: "LlamaModel", max_context: int) -> "onnx.ModelProto":
     return g.model_proto(_step_inputs(c, with_bias=True), outputs + _kv_values(c, presents))
 
 
-def draft_candidates(vocab_size: int) -> int:
-    """The tokens a sampled drafter's step draws among: ``DRAFT_CANDIDATES``, or the whole of a
-    smaller vocabulary (or draft vocabulary)."""
-    return min(DRAFT_CANDIDATES, vocab_size)
+def draft_candidates(vocab_size: int, draft_vocab: np.ndarray | None = None) -> int:
+    """The tokens a sampled drafter's step draws among: ``DRAFT_CANDIDATES``, or all the tokens
+    it drafts from (its draft vocabulary's, else the vocabulary's) when fewer."""
+    return min(DRAFT_CANDIDATES, vocab_size if draft_vocab is None else len(draft_vocab))
 
 
 def drafter_present_names(num_layers: int, depth: int) -> list[list[str]]:
@@ -269,7 +269,7 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     presents = drafter_present_names(c.num_layers, depth)
     one = g.constant("one_i32", np.array(1, np.int32))
     ids, seqlens, total = "input_ids", "seqlens_k", "total_sequence_length"
-    k = draft_candidates(c.vocab_size if draft_vocab is None else len(draft_vocab)) if sampled else 2
+    k = draft_candidates(c.vocab_size, draft_vocab) if sampled else 2
     tokens, top_logits, last = [], [], []   # last: the mass (greedy) or the choice (sampled) per step
     for j in range(depth):
         tag = f"step{j}/"
@@ -336,8 +336,7 @@ def save(model: "LlamaModel", out_dir, max_context: int, depth: int = DRAFT_DEPT
                 tensor.ClearField("raw_data")
         onnx.save(draft, out_dir / name)
     return {"ort_onnx": ORT_ONNX, "draft_onnx": DRAFT_ONNX, "sampled_draft_onnx": SAMPLED_DRAFT_ONNX,
-            "draft_depth": depth,
-            "draft_candidates": draft_candidates(model.config.vocab_size if draft_vocab is None else len(draft_vocab)),
+            "draft_depth": depth, "draft_candidates": draft_candidates(model.config.vocab_size, draft_vocab),
             "ort_head_dim": lowered_head_dim(model.config.head_dim)}
 
 
