@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class BenchConfig:
     lookup: bool = True             # the dynamic tree also drafts by lookup (lookup.py); a lookup-only row too
     progress: bool = True
     streams: tuple[int, ...] = ()   # greedy: also through the scheduler, with this many requests at once
+    rounds: int = 1                 # every contender this many times, in alternating order; the median reported
 
 
 def _row(contender: str, tool: str, tree: str, ssms: str, stats: "Stats | None" = None, **extra) -> dict:
@@ -138,17 +139,20 @@ def run_bench(cfg: BenchConfig) -> dict:
     llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads)
     ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads) for s in cfg.ssms]
     sets = {"SSM 1": ssms[:1]} | ({f"all {len(ssms)} SSMs": ssms} if len(ssms) > 1 else {})
-    rows = []
-    # Warm-up, untimed: a cold process runs its first calls far slower, which would tax whichever
-    # contender comes first.
-    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", SamplingParams(), lookup=cfg.lookup)
+    # Each contender is a job: its row's fixed fields and a run giving (row fields measured, outputs).
+    jobs: list[tuple[dict, Callable[[], tuple[dict, list]]]] = []
+
+    def ours(name: str, drafts, tree, params, rule="mss", lookup=False, tree_name="-") -> None:
+        def run():
+            stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
+            return _row(name, "", "", "", stats), outputs
+        jobs.append((dict(contender=name, tool="specinfer", tree=tree_name, ssms="-" if tree == [] else str(len(drafts)),
+                          rule=rule, lookup=lookup, temperature=params.temperature), run))
+
     for params in ([SamplingParams(temperature=t, seed=cfg.seed) for t in SAMPLING_TEMPERATURES] if cfg.sampling
                    else [SamplingParams()]):
         at = f" T={params.temperature:g}" if cfg.sampling else ""
-        stats, reference = _ours(cfg, llm, [], [1], "ours incremental" + at, params)
-        rows.append(_row("ours incremental" + at, "specinfer", "-", "-", stats, temperature=params.temperature,
-                         identical=None if cfg.sampling else len(cfg.prompts)))
-        base = len(rows) - 1
+        ours("ours incremental" + at, [], [], params)
         for tree_name, tree in cfg.trees.items():
             lookup = cfg.lookup and tree is None
             if cfg.sampling:
@@ -159,62 +163,83 @@ def run_bench(cfg: BenchConfig) -> dict:
                 runs = [(name + " + lookup", drafts, rule) for name, drafts, rule in runs] + \
                     [(f"ours {tree_name} lookup only{at}", [], "mss")]
             for name, drafts, rule in runs:
-                stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
-                same = sum(o == r for o, r in zip(outputs, reference))
-                if not cfg.sampling and same != len(reference):
-                    raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
-                rows.append(_row(name, "specinfer", tree_name, str(len(drafts)), stats, rule=rule, lookup=lookup,
-                                 temperature=params.temperature, identical=None if cfg.sampling else same))
-        if not cfg.sampling and cfg.streams:
-            # The serving engine: requests at once, batched (scheduler.py); one stream is what its
-            # hand-offs cost a request alone.
-            tree_name, tree = next(iter(cfg.trees.items()))
-            lookup = cfg.lookup and tree is None
-            for n in cfg.streams:
-                for name, drafts in ((f"ours incremental, {n} streams (scheduler)", []),
-                                     (f"ours {tree_name} SSM 1{' + lookup' if lookup else ''}, {n} streams (scheduler)",
-                                      ssms[:1])):
+                ours(name, drafts, tree, params, rule, lookup, tree_name)
+    if not cfg.sampling and cfg.streams:
+        # The serving engine: requests at once, batched (scheduler.py); one stream is what its
+        # hand-offs cost a request alone.
+        tree_name, tree = next(iter(cfg.trees.items()))
+        lookup = cfg.lookup and tree is None
+        for n in cfg.streams:
+            for name, drafts in ((f"ours incremental, {n} streams (scheduler)", []),
+                                 (f"ours {tree_name} SSM 1{' + lookup' if lookup else ''}, {n} streams (scheduler)",
+                                  ssms[:1])):
+                def run(drafts=drafts, n=n):
                     stats, outputs = _scheduled(cfg, llm, drafts, [] if not drafts else tree, n, lookup and bool(drafts))
-                    same = sum(o == r for o, r in zip(outputs, reference))
-                    if same != len(reference):
-                        raise AssertionError(f"{name}: {len(reference) - same} outputs differ from incremental decoding")
-                    rows.append(_row(name, "specinfer", tree_name if drafts else "-", str(len(drafts)) if drafts else "-",
-                                     stats, rule="mss", lookup=lookup and bool(drafts), temperature=0.0,
-                                     identical=same, streams=n))
-        for r in rows[base:]:
-            r["speedup"] = r["tokens_per_s"] / rows[base]["tokens_per_s"] if r.get("tokens_per_s") else None
-
+                    return _row("", "", "", "", stats), outputs
+                jobs.append((dict(contender=name, tool="specinfer", tree=tree_name if drafts else "-",
+                                  ssms=str(len(drafts)) if drafts else "-", rule="mss", lookup=lookup and bool(drafts),
+                                  temperature=0.0, streams=n), run))
     if cfg.peers and not cfg.sampling:
         kw = dict(prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
         from .speculate import DYNAMIC_DEPTH
 
         depth = max(DYNAMIC_DEPTH if t is None else len(t) for t in cfg.trees.values())
-        contenders = [
+        for name, tool, peer in [
             ("transformers greedy", "transformers", lambda: peers.transformers_greedy(cfg.llm, **kw)),
             ("transformers assisted", "transformers", lambda: peers.transformers_assisted(cfg.llm, cfg.ssms[0], **kw)),
             ("onnxruntime-genai greedy", "onnxruntime-genai", lambda: peers.ortgenai_greedy(cfg.llm, **kw)),
             (f"onnxruntime-genai speculative chain {depth}", "onnxruntime-genai",
              lambda: peers.ortgenai_speculative(cfg.llm, cfg.ssms[0], draft_tokens=depth, **kw)),
-        ]
-        for name, tool, run in contenders:
-            if cfg.progress:
-                print(f"running {name} ...", file=sys.stderr, flush=True)
-            r = run()
-            extra = dict(unavailable=r.unavailable) if r.unavailable else dict(
-                tokens=r.new_tokens, seconds=r.seconds, tokens_per_s=r.tokens_per_second,
-                tokens_per_step=float(np.mean(r.tokens_per_step)) if r.tokens_per_step else None,
-                histogram=dict(sorted(Counter(r.tokens_per_step).items())),
-                identical=sum(o == ref for o, ref in zip(r.outputs, reference)))
+        ]:
+            def run(name=name, peer=peer):
+                if cfg.progress:
+                    print(f"running {name} ...", file=sys.stderr, flush=True)
+                r = peer()
+                return (dict(unavailable=r.unavailable) if r.unavailable else dict(
+                    tokens=r.new_tokens, seconds=r.seconds, tokens_per_s=r.tokens_per_second,
+                    tokens_per_step=float(np.mean(r.tokens_per_step)) if r.tokens_per_step else None,
+                    histogram=dict(sorted(Counter(r.tokens_per_step).items())))), r.outputs
             drafted = "speculative" in name or "assisted" in name
-            rows.append(_row(name, tool, f"chain {depth}" if "speculative" in name else "-",
-                             "1" if drafted else "-", **extra))
+            jobs.append((dict(contender=name, tool=tool, tree=f"chain {depth}" if "speculative" in name else "-",
+                              ssms="1" if drafted else "-"), run))
 
-    base = rows[0]["tokens_per_s"]
-    for r in rows[1:]:   # the peers (greedy): against our incremental decoding
-        if "speedup" not in r:
-            r["speedup"] = r["tokens_per_s"] / base if r.get("tokens_per_s") else None
+    # Warm-up, untimed: a cold process runs its first calls far slower, which would tax whichever
+    # contender comes first.
+    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", SamplingParams(), lookup=cfg.lookup)
+    # Rounds in alternating order: this machine's speed drifts within minutes, and a contender timed
+    # at the start and at the end of each pair of rounds shares the drift with the others.
+    results: list[list[tuple[dict, list]]] = [[] for _ in jobs]
+    for r in range(cfg.rounds):
+        order = range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))
+        for i in order:
+            results[i].append(jobs[i][1]())
+    rows = []
+    reference = {}   # greedy: our incremental outputs, which every greedy contender is compared with
+    for (fixed, _), runs in zip(jobs, results):
+        measured = [m for m, _ in runs]
+        # The round of median tokens/s stands for the contender (its time columns stay one run's).
+        row = {**fixed, **sorted(measured, key=lambda m: m.get("tokens_per_s") or 0)[len(measured) // 2]}
+        for key in ("contender", "tool", "tree", "ssms"):
+            row[key] = fixed[key]
+        if cfg.rounds > 1 and not row.get("unavailable"):
+            row["tokens_per_s_rounds"] = [m["tokens_per_s"] for m in measured]
+        if not cfg.sampling and not row.get("unavailable"):
+            outputs = [o for _, o in runs]
+            if not reference:
+                reference["outputs"] = outputs[0]
+            same = min(sum(o == ref for o, ref in zip(out, reference["outputs"])) for out in outputs)
+            if fixed["tool"] == "specinfer" and same != len(reference["outputs"]):
+                raise AssertionError(f"{fixed['contender']}: {len(reference['outputs']) - same} outputs differ "
+                                     f"from incremental decoding")
+            row["identical"] = same
+        rows.append(row)
+    # Speedups: against our incremental decoding (under sampling, at the row's temperature).
+    base = {r.get("temperature"): r for r in rows if r["contender"].startswith("ours incremental") and "streams" not in r}
+    for r in rows:
+        b = base.get(r.get("temperature"), rows[0])
+        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if r.get("tokens_per_s") else None
     return {"llm": str(cfg.llm), "ssms": [str(s) for s in cfg.ssms], "prompts": len(cfg.prompts),
-            "max_new_tokens": cfg.max_new_tokens,
+            "max_new_tokens": cfg.max_new_tokens, "rounds": cfg.rounds,
             "mode": f"sampling (temperature {' and '.join(f'{t:g}' for t in SAMPLING_TEMPERATURES)})" if cfg.sampling
             else "greedy",
             "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence, "rows": rows, "targets": [] if cfg.sampling else targets(rows)}
@@ -256,17 +281,24 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _tokens_per_s(row: dict) -> str:
+    rounds = row.get("tokens_per_s_rounds")
+    return _fmt(row.get("tokens_per_s"), ".1f") + (f" ({min(rounds):.0f}-{max(rounds):.0f})" if rounds else "")
+
+
 def report_markdown(report: dict) -> str:
     """The bench report as markdown: the contenders table, then the targets."""
     n = report["prompts"]
-    rows = [[r["contender"], _fmt(r.get("tokens_per_s"), ".1f"), _fmt(r.get("speedup"), ".2f", "x"),
+    rows = [[r["contender"], _tokens_per_s(r), _fmt(r.get("speedup"), ".2f", "x"),
              _fmt(r.get("tokens_per_step"), ".2f"), _fmt(r.get("ssm_s"), ".2f"), _fmt(r.get("llm_s"), ".2f"),
              _fmt(r.get("other_s"), ".2f"),
              "-" if r.get("identical") is None else f"{r['identical']}/{n}"] if not r.get("unavailable")
             else [r["contender"], f"unavailable: {r['unavailable']}", "", "", "", "", "", ""]
             for r in report["rows"]]
+    rounds = report.get("rounds", 1)
     text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
-            f"our drafters' min confidence "
+            + (f"{rounds} rounds in alternating order (tokens/s: median, range), " if rounds > 1 else "")
+            + f"our drafters' min confidence "
             f"{report['min_confidence'] if report['min_confidence'] is not None else 'per tree (fixed 0.4, dynamic none)'}\n\n"
             + markdown_table(["contender", "tokens/s", "vs ours incremental", "tokens/step", "SSM s", "LLM s",
                               "own code s", "identical to ours incremental"], rows))

@@ -13,6 +13,8 @@ def truncate_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     and head): a speculative model that agrees with its source often, for tests and demos."""
     from safetensors.numpy import load_file, save_file
 
+    from .export.draft_vocab import DRAFT_VOCAB
+
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     if not 0 < num_layers <= config["num_hidden_layers"]:
@@ -28,7 +30,8 @@ def truncate_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     if "layer_types" in config:
         config["layer_types"] = config["layer_types"][:num_layers]
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                 DRAFT_VOCAB):
         if (src / name).is_file():
             shutil.copy(src / name, dst / name)
     return dst

@@ -271,12 +271,14 @@ def cmd_bench(a) -> None:
     if a.max_tokens < 1:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     _check_min_confidence(a.min_confidence)
+    if a.rounds < 1:
+        raise SpecInferError(f"--rounds must be >= 1, got {a.rounds}")
     trees = bench_trees(a.tree, a.sampling)
     tokenizer = load_tokenizer(llm)
     prompts = [tokenizer.encode(p).ids for p in load_prompts(a.prompts, a.num_prompts)]
     report = run_bench(BenchConfig(llm, ssms, prompts, trees, a.max_tokens, a.threads, peers=not a.no_peers,
                                    sampling=a.sampling, seed=a.seed, min_confidence=a.min_confidence,
-                                   lookup=not a.no_lookup,
+                                   lookup=not a.no_lookup, rounds=a.rounds,
                                    streams=tuple(int(n) for n in a.streams.split(",")) if a.streams else ()))
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -641,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", action="store_true",
                    help="sampling at temperatures 1 and 0.7: MSS, traversal and naive verification on each tree")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (prompt i uses seed + i)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every contender this many times, in alternating order (this machine's speed drifts "
+                        "within minutes); report each one's median round and the range")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     _add_lookup(p)
     _add_min_confidence(p)

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n\nimport sys\n")
     r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), "--prompts", str(prompts), "--max-tokens", "16",
-              "--tree", "2,2,1", "--sampling", "-o", str(tmp_path))
+              "--tree", "2,2,1", "--sampling", "--rounds", "2", "-o", str(tmp_path))
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-sampling.json").read_text())
     assert [row["contender"] for row in report["rows"]] == [
@@ -68,6 +69,39 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
         assert row["tokens"] == 32 and row["temperature"] == base["temperature"]
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"])
         assert i % 4 == 0 or row["tokens_per_step"] >= 1
+        assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] == max(row["tokens_per_s_rounds"])
+    assert "2 rounds in alternating order" in r.stdout
+
+
+def test_bench_rounds_alternate_the_order_and_report_the_median_round(monkeypatch, pair):
+    """Round 1 runs the contenders in order, round 2 in reverse, and so on; each row is its median
+    round; an output that changes between rounds fails the identity check."""
+    from specinfer import benchmark
+    from specinfer.generate import Stats
+
+    calls, speed = [], iter([10, 20, 30, 60, 50, 40, 70, 80, 90]).__next__
+
+    def fake_ours(cfg, llm, ssms, tree, name, params, rule="mss", lookup=False):
+        if name != "warm-up":
+            calls.append(name)
+        return Stats(new_tokens=speed() if name != "warm-up" else 1, total_seconds=1.0), [[1, 2]]
+
+    monkeypatch.setattr(benchmark, "_ours", fake_ours)
+    cfg = benchmark.BenchConfig(pair[0], [pair[1]], [[5, 6, 7]], {"1,1": [1, 1], "2": [2]}, peers=False, rounds=3,
+                                progress=False)
+    report = benchmark.run_bench(cfg)
+    names = ["ours incremental", "ours 1,1 SSM 1", "ours 2 SSM 1"]
+    assert calls == names + names[::-1] + names
+    rows = {r["contender"]: r for r in report["rows"]}
+    assert rows["ours incremental"]["tokens_per_s_rounds"] == [10, 40, 70]
+    assert rows["ours incremental"]["tokens_per_s"] == 40 and rows["ours 2 SSM 1"]["tokens_per_s"] == 60
+    assert rows["ours 1,1 SSM 1"]["speedup"] == pytest.approx(50 / 40)
+
+    changing = iter([[[1]], [[1]], [[2]], [[1]]]).__next__   # the SSM row's second round differs
+    monkeypatch.setattr(benchmark, "_ours", lambda *a, **k: (Stats(new_tokens=1, total_seconds=1.0), changing())
+                        if a[4] != "warm-up" else (Stats(), []))
+    with pytest.raises(AssertionError, match="ours 1,1 SSM 1: 1 outputs differ"):
+        benchmark.run_bench(replace(cfg, rounds=2, trees={"1,1": [1, 1]}))
 
 
 def test_bench_runs_a_short_chain_by_default_under_sampling():
@@ -83,6 +117,7 @@ def test_bench_runs_a_short_chain_by_default_under_sampling():
     (["--prompts", "/no/such/file"], "--prompts /no/such/file: no such file or folder"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--tree", "1,x"], "tree"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bench_bad_input(args, message, pair):
     r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), *args)

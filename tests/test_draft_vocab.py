@@ -51,6 +51,13 @@ def test_the_most_frequent_tokens_of_a_text_make_the_vocabulary(tmp_path, checkp
         most_frequent(counts, 1)
 
 
+def test_a_truncated_checkpoint_keeps_its_sources_vocabulary(tmp_path, with_vocab):
+    from specinfer.checkpoints import truncate_layers
+
+    ckpt, _, vocab = with_vocab
+    assert read_draft_vocab(truncate_layers(ckpt, tmp_path / "short", 1), 320).tolist() == vocab.tolist()
+
+
 @pytest.mark.parametrize("content, problem", [
     ("[1, 2, 3]", "not a draft vocabulary"),
     ('{"token_ids": [1, 2, 2]}', "lists a token twice"),
