@@ -48,15 +48,12 @@ class BenchConfig:
     rounds: int = 1                 # every contender this many times, in alternating order; the median reported
 
 
-def _row(contender: str, tool: str, tree: str, ssms: str, stats: "Stats | None" = None, **extra) -> dict:
-    row = {"contender": contender, "tool": tool, "tree": tree, "ssms": ssms}
-    if stats is not None:
-        row.update(tokens=stats.new_tokens, seconds=stats.total_seconds, tokens_per_s=stats.tokens_per_second,
-                   tokens_per_step=stats.mean_tokens_per_step if stats.steps else None,
-                   ssm_s=stats.ssm_seconds, llm_s=stats.llm_seconds, other_s=stats.other_seconds,
-                   histogram=stats.histogram)
-    row.update(extra)
-    return row
+def _measured(stats: "Stats") -> dict:
+    """A run's row fields from its statistics."""
+    return dict(tokens=stats.new_tokens, seconds=stats.total_seconds, tokens_per_s=stats.tokens_per_second,
+                tokens_per_step=stats.mean_tokens_per_step if stats.steps else None,
+                ssm_s=stats.ssm_seconds, llm_s=stats.llm_seconds, other_s=stats.other_seconds,
+                histogram=stats.histogram)
 
 
 def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, name: str,
@@ -145,7 +142,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     def ours(name: str, drafts, tree, params, rule="mss", lookup=False, tree_name="-") -> None:
         def run():
             stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
-            return _row(name, "", "", "", stats), outputs
+            return _measured(stats), outputs
         jobs.append((dict(contender=name, tool="specinfer", tree=tree_name, ssms="-" if tree == [] else str(len(drafts)),
                           rule=rule, lookup=lookup, temperature=params.temperature), run))
 
@@ -175,7 +172,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                                   ssms[:1])):
                 def run(drafts=drafts, n=n):
                     stats, outputs = _scheduled(cfg, llm, drafts, [] if not drafts else tree, n, lookup and bool(drafts))
-                    return _row("", "", "", "", stats), outputs
+                    return _measured(stats), outputs
                 jobs.append((dict(contender=name, tool="specinfer", tree=tree_name if drafts else "-",
                                   ssms=str(len(drafts)) if drafts else "-", rule="mss", lookup=lookup and bool(drafts),
                                   temperature=0.0, streams=n), run))
@@ -214,22 +211,19 @@ def run_bench(cfg: BenchConfig) -> dict:
         for i in order:
             results[i].append(jobs[i][1]())
     rows = []
-    reference = {}   # greedy: our incremental outputs, which every greedy contender is compared with
+    reference = None   # greedy: our incremental outputs, which every greedy contender is compared with
     for (fixed, _), runs in zip(jobs, results):
         measured = [m for m, _ in runs]
         # The round of median tokens/s stands for the contender (its time columns stay one run's).
         row = {**fixed, **sorted(measured, key=lambda m: m.get("tokens_per_s") or 0)[len(measured) // 2]}
-        for key in ("contender", "tool", "tree", "ssms"):
-            row[key] = fixed[key]
         if cfg.rounds > 1 and not row.get("unavailable"):
             row["tokens_per_s_rounds"] = [m["tokens_per_s"] for m in measured]
         if not cfg.sampling and not row.get("unavailable"):
             outputs = [o for _, o in runs]
-            if not reference:
-                reference["outputs"] = outputs[0]
-            same = min(sum(o == ref for o, ref in zip(out, reference["outputs"])) for out in outputs)
-            if fixed["tool"] == "specinfer" and same != len(reference["outputs"]):
-                raise AssertionError(f"{fixed['contender']}: {len(reference['outputs']) - same} outputs differ "
+            reference = outputs[0] if reference is None else reference
+            same = min(sum(o == ref for o, ref in zip(out, reference)) for out in outputs)
+            if fixed["tool"] == "specinfer" and same != len(reference):
+                raise AssertionError(f"{fixed['contender']}: {len(reference) - same} outputs differ "
                                      f"from incremental decoding")
             row["identical"] = same
         rows.append(row)
