@@ -63,7 +63,7 @@ def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequenc
     from .generate import Stats, generate_ids
     from .speculate import default_min_confidence
 
-    min_confidence = default_min_confidence(tree) if cfg.min_confidence is None else cfg.min_confidence
+    min_confidence = default_min_confidence(tree, params) if cfg.min_confidence is None else cfg.min_confidence
     stats, outputs = Stats(), []
     for i, prompt in enumerate(tqdm(cfg.prompts, desc=name, disable=not cfg.progress, leave=False)):
         if not params.greedy:
@@ -280,6 +280,12 @@ def _tokens_per_s(row: dict) -> str:
     return _fmt(row.get("tokens_per_s"), ".1f") + (f" ({min(rounds):.0f}-{max(rounds):.0f})" if rounds else "")
 
 
+def _default_min_confidence(report: dict) -> str:
+    from .speculate import DEFAULT_MIN_CONFIDENCE
+    return "none (sampled drafts)" if report["mode"].startswith("sampling") else \
+        f"per tree (fixed {DEFAULT_MIN_CONFIDENCE}, dynamic none)"
+
+
 def report_markdown(report: dict) -> str:
     """The bench report as markdown: the contenders table, then the targets."""
     n = report["prompts"]
@@ -293,7 +299,7 @@ def report_markdown(report: dict) -> str:
     text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
             + (f"{rounds} rounds in alternating order (tokens/s: median, range), " if rounds > 1 else "")
             + f"our drafters' min confidence "
-            f"{report['min_confidence'] if report['min_confidence'] is not None else 'per tree (fixed 0.4, dynamic none)'}\n\n"
+            f"{report['min_confidence'] if report['min_confidence'] is not None else _default_min_confidence(report)}\n\n"
             + markdown_table(["contender", "tokens/s", "vs ours incremental", "tokens/step", "SSM s", "LLM s",
                               "own code s", "identical to ours incremental"], rows))
     if report["targets"]:

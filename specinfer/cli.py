@@ -30,8 +30,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 def _add_min_confidence(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-confidence", type=float, default=None,
                    help="an SSM stops growing a branch where its top token's probability is below this "
-                        f"(0: full tree; default {DEFAULT_MIN_CONFIDENCE} for a fixed tree, 0 for the dynamic "
-                        "one); the output is exact either way")
+                        f"(0: full tree; default {DEFAULT_MIN_CONFIDENCE} for a fixed tree, greedy; 0 for the "
+                        "dynamic one and under sampling); the output is exact either way")
 
 
 def _add_lookup(p: argparse.ArgumentParser) -> None:
@@ -156,9 +156,10 @@ def cmd_generate(a) -> None:
         raise SpecInferError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     tree = parse_tree(a.tree)
     _warn_if_cut(tree, a.budget)
-    min_confidence = default_min_confidence(tree) if a.min_confidence is None else a.min_confidence
+    min_confidence = default_min_confidence(tree, params) if a.min_confidence is None else a.min_confidence
     llm, ssms = _models(a, all_ssms=False)
     pipe = Pipeline(llm, [] if a.no_speculation else ssms, tree=tree, budget=a.budget, engine=a.engine,
+                    sampling_ssms=[] if a.no_speculation or params.greedy else _sampling_ssms(a),
                     max_context=a.max_context, threads=a.threads, min_confidence=min_confidence,
                     lookup=not (a.no_lookup or a.no_speculation), rule=a.rule)
     stats = Stats()
@@ -237,21 +238,29 @@ def load_prompts(source: str | None, count: int | None) -> list[str]:
     return prompts
 
 
-def _models(a, all_ssms: bool = True) -> tuple[Path, list[Path]]:
+def _models(a, all_ssms: bool = True, sampling: bool = False) -> tuple[Path, list[Path]]:
     """--llm/--ssm, or the embedded models when no --llm is given: the LLM with all its SSMs, or
-    with SSM 1 alone (the fastest on 2 CPU cores: each SSM adds its own draft calls)."""
-    from .models import embedded_llm, embedded_ssms
+    with SSM 1 alone (the fastest on 2 CPU cores: each SSM adds its own draft calls); ``sampling``:
+    with the SSMs that draft for sampled requests instead."""
+    from .models import embedded_llm, embedded_sampling_ssms, embedded_ssms
 
     if a.llm is None:
-        return embedded_llm(), [Path(s) for s in a.ssm] or embedded_ssms()[:None if all_ssms else 1]
+        embedded = embedded_sampling_ssms() if sampling else embedded_ssms()[:None if all_ssms else 1]
+        return embedded_llm(), [Path(s) for s in a.ssm] or embedded
     return Path(a.llm), [Path(s) for s in a.ssm]
+
+
+def _sampling_ssms(a) -> list[Path]:
+    """The SSMs that draft for sampled requests beside --ssm's: the embedded ones when the models
+    are the embedded defaults, else none (--ssm's draft for every request)."""
+    return _models(a, sampling=True)[1] if a.llm is None and not a.ssm else []
 
 
 # The trees `bench` runs unless given --tree. Under sampling a drafted token is accepted far less
 # often than under greedy decoding, so a short chain is the fixed tree that comes closest to paying
 # there (README, "Benchmark"); the chain of 8 shows what a long one costs.
 GREEDY_BENCH_TREES = [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
-SAMPLED_BENCH_TREES = [DYNAMIC, "1,1,1", "1,1,1,1,1,1,1,1"]
+SAMPLED_BENCH_TREES = [DYNAMIC, "1,1,1", "1,1,1,1"]
 
 
 def bench_trees(given: list[str] | None, sampling: bool) -> dict[str, list[int] | None]:
@@ -263,7 +272,7 @@ def cmd_bench(a) -> None:
     from .benchmark import BenchConfig, report_markdown, report_plot, run_bench
     from .text import load_tokenizer
 
-    llm, ssms = _models(a)
+    llm, ssms = _models(a, sampling=a.sampling)
     if not ssms:
         raise SpecInferError("bench needs at least one --ssm")
     if not (llm / "config.json").is_file():
@@ -631,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several)")
     p.add_argument("--tree", action="append", default=None,
                    help="a tree to run (repeat): 'dynamic' or children per depth; default: dynamic, a chain of 8 "
-                        "and SpecInfer's 1,1,3,1,1,1,1,1; with --sampling: dynamic, a chain of 3 and one of 8")
+                        "and SpecInfer's 1,1,3,1,1,1,1,1; with --sampling: dynamic, chains of 3 and 4")
     p.add_argument("--prompts", default=None, help="a .json list, a text file (blank-line separated) or a folder "
                                                   "of .py files (default: the embedded held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")

@@ -22,6 +22,7 @@ class Pipeline:
     """Speculative generation from model folders (exports or checkpoints), on ONNX Runtime by default."""
 
     def __init__(self, llm: str | Path, ssms: Sequence[str | Path] = (), tree: str | Sequence[int] | None = DYNAMIC,
+                 sampling_ssms: Sequence[str | Path] = (),
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
                  threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
                  kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS,
@@ -29,6 +30,8 @@ class Pipeline:
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
         verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
+        ``sampling_ssms``: SSMs that draft for sampled requests instead of ``ssms`` (e.g. distilled
+        ones, ``specinfer distill``); none: ``ssms`` draft for every request.
 
         Streams may run from many threads at once: their steps are batched (scheduler.py), under
         ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
@@ -37,13 +40,15 @@ class Pipeline:
         running, the memory kept for batches is given back (None: kept)."""
         self.llm = load_runtime(llm, engine, max_context, threads)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
+        self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]
         self.tree = parse_tree(tree)
         self.budget = budget
         self.min_confidence, self.lookup, self.rule = min_confidence, lookup, rule
         self.tokenizer = load_tokenizer(getattr(self.llm, "dir", llm))
         self.eos_ids = self.llm.config.eos_token_ids
-        self.scheduler = Scheduler(self.llm, self.ssms, kv_budget=kv_budget, batch_tree_tokens=batch_tree_tokens,
-                                   prefill_chunk_tokens=prefill_chunk_tokens, idle_seconds=idle_seconds)
+        self.scheduler = Scheduler(self.llm, self.ssms, sampling_ssms=self.sampling_ssms, kv_budget=kv_budget,
+                                   batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
+                                   idle_seconds=idle_seconds)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

@@ -115,14 +115,17 @@ class Scheduler:
     """The batching engine of one process: an LLM and its SSMs, the requests running on them, and
     the KV budget they share. Thread-safe; :meth:`speculator` makes a request's speculator."""
 
-    def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), *, kv_budget: int | None = None,
+    def __init__(self, llm: Runtime, ssms: Sequence[Runtime] = (), *, sampling_ssms: Sequence[Runtime] = (),
+                 kv_budget: int | None = None,
                  batch_tree_tokens: int = BATCH_TREE_TOKENS, max_batch: int = 32, max_waiting: int = 64,
                  wait_seconds: float = 60.0, gather_seconds: float = 0.005,
                  prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS):
-        check_vocab(llm, ssms)
+        check_vocab(llm, [*ssms, *sampling_ssms])
         if batch_tree_tokens < MIN_TREE or max_batch < 1 or max_waiting < 0:
             raise SpecInferError("batch_tree_tokens must be >= 2, max_batch >= 1 and max_waiting >= 0")
-        self.llm, self.ssms = llm, list(ssms)
+        # ``sampling_ssms`` draft for sampled requests instead of ``ssms`` (none: ``ssms`` draft for all).
+        self.llm, self.ssms, self.sampling_ssms = llm, list(ssms), list(sampling_ssms)
+        self.models = [llm] + self.ssms + self.sampling_ssms
         self.kv_budget = default_kv_budget() if kv_budget is None else int(kv_budget)
         self.batch_tree_tokens, self.max_batch, self.max_waiting = batch_tree_tokens, max_batch, max_waiting
         self.wait_seconds, self.gather_seconds = wait_seconds, gather_seconds
@@ -132,7 +135,9 @@ class Scheduler:
         self._last_active = time.monotonic()     # when a batch last ran or the last request left
         self._trimmed = True                     # nothing kept for batches since the last trim
         self.prefill_chunks = 0                  # prompt chunks run (a prompt in one call counts one)
-        self.bytes_per_token = llm.kv_bytes_per_token + sum(s.kv_bytes_per_token for s in self.ssms)
+        # A request holds KV in the LLM and in one of the two sets of SSMs: reserve for the dearer.
+        self.bytes_per_token = llm.kv_bytes_per_token + max(sum(s.kv_bytes_per_token for s in ssms)
+                                                            for ssms in (self.ssms, self.sampling_ssms))
         self.reserved = 0                        # bytes reserved by admitted requests
         self.waiting = 0                         # requests waiting for memory
         self.running: set[BatchedSpeculator] = set()
@@ -157,6 +162,10 @@ class Scheduler:
         return BatchedSpeculator(self, max_new_tokens, dict(tree=tree, params=params, rule=rule, lookup=lookup,
                                                             min_confidence=min_confidence), stats, budget, seq_id)
 
+    def drafters(self, params: SamplingParams) -> list[Runtime]:
+        """The SSMs that draft for a request sampled with ``params``."""
+        return self.sampling_ssms if self.sampling_ssms and not params.greedy else self.ssms
+
     @property
     def sequences(self) -> list:
         with self._lock:
@@ -169,7 +178,7 @@ class Scheduler:
 
     def kv_bytes(self) -> int:
         """Bytes the sequences' KV buffers hold now (every model of this scheduler)."""
-        return sum(rt.kv_bytes() for rt in [self.llm] + self.ssms)
+        return sum(rt.kv_bytes() for rt in self.models)
 
     def close(self) -> None:
         """Refuse new requests and stop the scheduler's thread once the queued ones have run;
@@ -275,7 +284,7 @@ class Scheduler:
                 if self._jobs or self._closed or self._until_idle() != 0.0:
                     return
                 self._trimmed = True
-            for runtime in [self.llm] + self.ssms:
+            for runtime in self.models:
                 runtime.trim()
             _return_free_heap()
             self.trims += 1
@@ -435,7 +444,7 @@ class BatchedSpeculator:
         s._admit(nbytes, tokens)
         self.reserved = nbytes
         try:
-            self.local = LocalSpeculator(s.llm, s.ssms, stats=self.stats, seq_id=self.seq_id, capacity=tokens,
+            self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats, seq_id=self.seq_id, capacity=tokens,
                                          **self.options)
             with s._lock:
                 s.running.add(self)

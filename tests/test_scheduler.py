@@ -118,6 +118,31 @@ def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
     assert got == want and all(isinstance(g, list) and g for g in got)
 
 
+def test_sampled_requests_draft_with_the_sampling_ssms_and_greedy_ones_with_the_others(models, monkeypatch):
+    """With sampling SSMs, a sampled request drafts with them alone and gives what it gives with them
+    as the only SSMs; a greedy one drafts with the others and stays incremental greedy decoding. A
+    request's KV is reserved for the dearer of the two sets."""
+    llm, (close, far) = models
+    calls = {close: 0, far: 0}
+    for rt in calls:
+        def counted(*args, rt=rt, original=rt.draft_chains, **kwargs):
+            calls[rt] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(rt, "draft_chains", counted)
+    scheduler = Scheduler(llm, [close], sampling_ssms=[far], gather_seconds=0.01, batch_tree_tokens=4 * 64,
+                          idle_seconds=None)
+    assert scheduler.bytes_per_token == llm.kv_bytes_per_token + max(close.kv_bytes_per_token, far.kv_bytes_per_token)
+    params = SamplingParams(temperature=0.8, seed=3)
+    got = run_together(scheduler, PROMPTS[:3], 30, params, tree=[1, 1, 1])
+    assert calls[far] > 0 and calls[close] == 0
+    greedy = run_together(scheduler, PROMPTS[3:5], 30, tree=[1, 1, 1])
+    assert calls[close] > 0
+    assert greedy == [alone(llm, p, 30) for p in PROMPTS[3:5]]
+    single = Scheduler(llm, [far], idle_seconds=None)
+    assert got == [run_together(single, [p], 30, params, tree=[1, 1, 1])[0] for p in PROMPTS[:3]]
+    assert all(isinstance(g, list) and g for g in got)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
 def test_each_ssm_drafts_for_the_whole_batch_in_one_run_exactly_as_alone(models, params):
     """Chains (greedy, and sampled: drawn in the drafter) of every request in a batch are drafted in

@@ -153,6 +153,18 @@ def test_teacher_targets_are_the_llms_likeliest_tokens():
     assert np.allclose(np.sort(p, -1)[..., ::-1][..., :7], probs.astype(np.float32), atol=1e-3)
 
 
+def test_folding_the_draft_temperature_scales_the_logits_and_keeps_the_greedy_token():
+    from specinfer.training.distill import fold_draft_temperature
+    model = _tiny_model().eval()
+    x = torch.from_numpy(np.random.default_rng(1).integers(1, 300, (2, 7)))
+    with torch.no_grad():
+        before = model(x).logits
+        after = fold_draft_temperature(model, 1.5)(x).logits
+    assert torch.allclose(after, 1.5 * before, rtol=1e-5, atol=1e-5)
+    # drawn at 1.5x a temperature, the folded model has the law the unfolded one has at it
+    assert torch.allclose(torch.softmax(after / (1.5 * 0.7), -1), torch.softmax(before / 0.7, -1), atol=1e-6)
+
+
 def test_distillation_moves_the_ssms_law_toward_the_llms(tmp_path):
     """Soft targets: a tiny SSM fine-tuned on a tiny LLM's distributions overlaps the LLM's law
     (sum min(p, q) on held-out continuations) more than before, and the report and checkpoint are
@@ -160,6 +172,7 @@ def test_distillation_moves_the_ssms_law_toward_the_llms(tmp_path):
     import transformers
 
     from specinfer.training.corpus import Corpus
+    from specinfer.export.draft_vocab import write_draft_vocab
     from specinfer.training.distill import DistillConfig, distill
     from specinfer.training.train import save_checkpoint
 
@@ -174,6 +187,7 @@ def test_distillation_moves_the_ssms_law_toward_the_llms(tmp_path):
     small = transformers.LlamaForCausalLM(llama_config(TrainConfig(
         hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, vocab_size=300), 64))
     save_checkpoint(small, tmp_path / "ssm", tmp_path / "tok", tokenizer=False)
+    write_draft_vocab(tmp_path / "ssm", list(range(100)), "a test")
     cfg = DistillConfig(greedy_prompts=8, sampled_prompts=16, cool_prompts=8, prompt_len=8, new_tokens=8,
                         top_k=300, steps=80, batch_size=8, lr=1e-2, test_prompts=8)
     report = distill(tmp_path / "llm", tmp_path / "ssm", corpus, tmp_path / "out", cfg)
@@ -182,3 +196,5 @@ def test_distillation_moves_the_ssms_law_toward_the_llms(tmp_path):
     assert report["teacher_mass_kept"] == pytest.approx(1.0, abs=1e-2)   # top_k = the vocabulary
     assert json.loads((tmp_path / "out" / "distillation.json").read_text())["held_out_after"] == after
     assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 16
+    # the same SSM drafts from the same tokens
+    assert (tmp_path / "out" / "draft_vocab.json").read_text() == (tmp_path / "ssm" / "draft_vocab.json").read_text()

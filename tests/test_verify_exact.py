@@ -323,7 +323,7 @@ def sized_tree(params, ssms=(0, 1), rated=False):
             for _ in range(100):
                 acceptance(runtime, params).observe(np.concatenate([p, p]), [0] * 50 + [1] * 50,
                                                     np.concatenate([np.arange(50) % 2 == 0, np.ones(50, bool)]))
-        drafter = SSMDrafter(runtime, ssm, sizer=TreeSizer(SIZING_COST, overhead=0.5))
+        drafter = SSMDrafter(runtime, ssm, sizer=TreeSizer(SIZING_COST, overhead=0.5), draw_dynamic=False)
         trees.append(drafter.draft(ROOT, [1, 1, 1], params, np.random.default_rng(0), budget=10))
         drafter.release()
     assert any(pr.rank == 1 for t in trees for ps in t.proposals for pr in ps)   # a runner-up was kept

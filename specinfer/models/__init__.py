@@ -1,5 +1,6 @@
 """The embedded default models, trained here on the Python standard library (see stdlib/README.md):
-a byte-level BPE tokenizer, a 12.6M-parameter Llama LLM and boost-tuned SSMs of 0.62M each, fp16."""
+a byte-level BPE tokenizer, a 12.6M-parameter Llama LLM, boost-tuned SSMs of 0.62M each and SSM 1
+distilled for sampling, fp16."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,13 @@ def embedded_ssms() -> list[Path]:
     """The embedded SSMs' checkpoint folders, in boost-tuning order."""
     _require(EMBEDDED_DIR)
     return sorted(EMBEDDED_DIR.glob("ssm[0-9]*"), key=lambda p: int(p.name[3:]))
+
+
+def embedded_sampling_ssms() -> list[Path]:
+    """The SSMs that draft for sampled requests: SSM 1 distilled on the LLM's distributions
+    (``specinfer distill``), whose draws the LLM accepts more often than the boost-tuned SSMs'
+    (which draft for greedy requests, where they agree with the LLM's argmax more)."""
+    return [_require(EMBEDDED_DIR / "distilled_ssm1")]
 
 
 def embedded_prompts() -> list[str]:

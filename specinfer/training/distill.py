@@ -7,16 +7,20 @@ than the LLM, so it overlaps p less than it could. Here the SSM learns p itself 
 DistillSpec, Zhou et al., ICLR 2024): the cross-entropy against the LLM's top-``top_k`` probabilities
 at temperature 1, on the LLM's own greedy and sampled continuations of prompts from the corpus
 (``llm_continuations``), starting from a boost-tuned SSM. The report gives, on held-out prompts, that
-overlap at temperatures 1 and 0.7 and the greedy agreement, before and after.
+overlap at temperatures 1 and 0.7 and the greedy agreement, before and after. The SSM is saved
+with its logits sharpened by the scale its draws are drawn at (:func:`fold_draft_temperature`).
 """
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..export.draft_vocab import DRAFT_VOCAB
+from ..speculate import DRAFT_TEMPERATURE_SCALE
 from .boost_tune import llm_continuations
 from .corpus import Corpus
 from .train import TrainConfig, encode_files, fit, save_checkpoint
@@ -24,8 +28,7 @@ from .train import TrainConfig, encode_files, fit, save_checkpoint
 
 @dataclass
 class DistillConfig:
-    """The defaults are the run measured in issue 18 (from the embedded SSM 1; the result is not
-    embedded yet: branch `sampled-drafts-2` holds it, with the sampled drafter it was measured with)."""
+    """The defaults are the run that made the embedded ``distilled_ssm1`` (from the embedded SSM 1)."""
     greedy_prompts: int = 2048    # followed by the LLM's greedy continuation
     sampled_prompts: int = 4096   # by its sample at temperature 1
     cool_prompts: int = 2048      # by its sample at temperature 0.7
@@ -69,6 +72,19 @@ def agreement(llm, ssm, tokens: np.ndarray, prompt_len: int, temperature: float)
     return float(torch.minimum(torch.softmax(p / temperature, -1), torch.softmax(q / temperature, -1)).sum(-1).mean())
 
 
+def fold_draft_temperature(model, scale: float):
+    """``model`` with its logits multiplied by ``scale`` (its final norm's weight scaled: the norm
+    feeds only the head, so tied embeddings are untouched), in place. Sampled drafts are drawn at
+    ``DRAFT_TEMPERATURE_SCALE`` times the LLM's temperature, which suits boost-tuned SSMs (sharper
+    than the LLM); a distilled SSM is calibrated at the LLM's temperature, so it is saved sharpened
+    by that scale and its draws follow its calibrated law. Its greedy token is unchanged."""
+    import torch
+
+    with torch.no_grad():
+        model.model.norm.weight.mul_(scale)
+    return model
+
+
 def distill(llm_dir: str | Path, ssm_dir: str | Path, corpus: Corpus, out_dir: str | Path,
             cfg: DistillConfig = DistillConfig()) -> dict:
     """Fine-tune the SSM in ``ssm_dir`` on the LLM's distributions into ``out_dir``; returns (and
@@ -107,7 +123,10 @@ def distill(llm_dir: str | Path, ssm_dir: str | Path, corpus: Corpus, out_dir: s
     fit(ssm, next_batch, TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
                                      warmup=max(1, min(50, cfg.steps // 10)), seed=cfg.seed), desc="distill")
     report["held_out_after"] = held_out()
-    save_checkpoint(ssm, out_dir, llm_dir, tokenizer=False)
+    report["draft_temperature_scale_folded"] = DRAFT_TEMPERATURE_SCALE
+    save_checkpoint(fold_draft_temperature(ssm, DRAFT_TEMPERATURE_SCALE), out_dir, llm_dir, tokenizer=False)
+    if (Path(ssm_dir) / DRAFT_VOCAB).is_file():   # the same SSM, so the same tokens to draft from
+        shutil.copy(Path(ssm_dir) / DRAFT_VOCAB, out_dir / DRAFT_VOCAB)
     (out_dir / "distillation.json").write_text(json.dumps(report, indent=2))
     for when in ("before", "after"):
         print(f"held out, {when}: " + ", ".join(f"{k} {v:.3f}" for k, v in report[f"held_out_{when}"].items()),
