@@ -404,7 +404,8 @@ def _add_batching(p, tree_tokens: int | None) -> None:
 def cmd_repo(a) -> None:
     from .serving.repository import write_repository
 
-    repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, engines=a.engines, budget=a.budget, threads=a.threads,
+    repo = write_repository(a.llm, a.ssm, a.output, tree=a.tree, sampling_ssms=a.sampling_ssm, engines=a.engines,
+                            budget=a.budget, threads=a.threads,
                             lookup=not a.no_lookup, kv_budget=a.kv_budget, batch_tree_tokens=a.batch_tree_tokens,
                             prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
                             stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval)
@@ -428,13 +429,15 @@ def cmd_serve(a) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     repo, made = a.repo, None
     if repo is None:  # the embedded default models, in a folder of ours (deleted when we stop)
-        from .models import embedded_llm, embedded_ssms
+        from .models import embedded_llm, embedded_sampling_ssms, embedded_ssms
         made = Path(tempfile.mkdtemp(prefix="specinfer-repo-"))
     try:
         if made is not None:
             # SSM 1 alone, as `generate` drafts by default: it is the faster speculation of the two
-            # (bench, embedded prompts: SSM 1 + lookup 1.68x incremental, both SSMs + lookup 1.19x).
-            repo = write_repository(embedded_llm(), embedded_ssms()[:1], made, kv_budget=a.kv_budget,
+            # (bench, embedded prompts: SSM 1 + lookup 1.68x incremental, both SSMs + lookup 1.19x);
+            # sampled requests draft with the distilled SSM 1, as they do in `generate`.
+            repo = write_repository(embedded_llm(), embedded_ssms()[:1], made, sampling_ssms=embedded_sampling_ssms(),
+                                    kv_budget=a.kv_budget,
                                     batch_tree_tokens=a.batch_tree_tokens or BATCH_TREE_TOKENS,
                                     prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
                                     stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval)
@@ -597,7 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("repo", help="write a Triton model repository for an LLM and its SSMs")
     p.add_argument("--llm", required=True, help="the LLM: an export or checkpoint folder")
     p.add_argument("--ssm", action="append", default=[], help="an SSM: an export or checkpoint folder (repeat for several)")
-    p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`)")
+    p.add_argument("--sampling-ssm", action="append", default=[],
+                   help="an SSM that drafts for sampled requests instead of --ssm's, e.g. one made by `specinfer "
+                        "distill` (repeat for several; default none: --ssm's draft for every request)")
+    p.add_argument("--engines", default=None, help="TensorRT engines folder (from `specinfer build`): llm/ and "
+                                                   "ssm_<i>/ for each --ssm, then each --sampling-ssm")
     p.add_argument("--tree", default=DYNAMIC, help=TREE_HELP)
     p.add_argument("--budget", type=_positive_int, default=64, help="tree nodes at most, root included (default 64)")
     p.add_argument("--threads", type=int, default=0,

@@ -244,6 +244,25 @@ def test_two_servers_start_side_by_side_and_both_answer(two_serves):
     assert all(shm_files(s.shm_prefix()) for s in two_serves)
 
 
+def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_serves):
+    """`specinfer serve` on the embedded models: ssm_0 (SSM 1) drafts for greedy requests, ssm_1 (the
+    distilled SSM 1) for sampled ones, in the ensemble and in the fused orchestrator's scheduler."""
+    from specinfer.engines.loader import onnx_folder
+    from specinfer.models import embedded_sampling_ssms, embedded_ssms
+    serve = two_serves[0]
+    configs = {m: (serve.repository() / m / "config.pbtxt").read_text() for m in ("ssm_0", "ssm_1", "ensemble_fused")}
+    assert '"drafts_for" value: { string_value: "greedy" }' in configs["ssm_0"]
+    assert '"drafts_for" value: { string_value: "sampled" }' in configs["ssm_1"]
+    assert str(onnx_folder(embedded_ssms()[0]).resolve()) in configs["ssm_0"]
+    assert str(onnx_folder(embedded_sampling_ssms()[0]).resolve()) in configs["ensemble_fused"]
+    for model in ("ensemble", "ensemble_fused"):
+        answers = [generate(serve, f"/v2/models/{model}/generate", text_input="def f(x):", max_tokens=16,
+                            temperature=0.7, random_seed=1, tree=tree) for tree in ("1,1,1", "1,1,1", "dynamic")]
+        assert all(status == 200 for status, _ in answers), answers
+        texts = [json.loads(text)["text_output"] for _, text in answers]
+        assert all(texts) and (model == "ensemble_fused" or texts[0] == texts[1]), (model, texts)
+
+
 def test_sigterm_stops_within_the_grace_period_and_leaves_nothing(two_serves):
     serve = two_serves[0]
     prefix, repository = serve.shm_prefix(), serve.repository()

@@ -1,5 +1,6 @@
 """The serving layer without a server: request validation, trees as tensors, and the whole
 orchestration over in-process model objects wired as the spec_step ensemble wires them."""
+import re
 import threading
 import time
 from dataclasses import replace
@@ -319,6 +320,63 @@ def test_sampled_requests_are_reproducible(models):
     r = lambda seed: list(orch.run(request(tok, "x = ", temperature=np.array([1.0], np.float32),
                                            random_seed=np.array([seed], np.uint64))))[-1][0]["output_ids"].tolist()
     assert r(5) == r(5) and r(5) != r(6)
+
+
+def test_each_ssm_model_drafts_only_for_its_kind_of_request(models):
+    """A repository with an SSM for sampled requests (e.g. a distilled one): ssm_0 drafts for greedy
+    requests only, ssm_1 for sampled ones only; the other holds no sequence and answers a bare root.
+    The greedy output is still the LLM's own."""
+    llm, ssms, verify_model, _ = models
+    routed = [DraftModel(rt, i, ",".join(map(str, TREE)), step_cost(llm), drafts_for=kind)
+              for i, (rt, kind) in enumerate(zip(ssms, ("greedy", "sampled")))]
+    drafted, held = [0, 0], [0, 0]     # per model: steps with a draft, most sequences held at once
+
+    def watched(model):
+        handle = model.handle
+
+        def call(t):
+            out = handle(t)
+            held[model.index] = max(held[model.index], len(model.sequences))
+            drafted[model.index] += t["op"][0] == b"step" and len(out["tree_tokens"]) > 1
+            return out
+        return call
+
+    for m in routed:
+        m.handle = watched(m)
+    orch, tok = orchestrator((llm, ssms, verify_model, routed))
+    text = "def f(x):"
+    want = [t for s in generate_ids(llm, tok.encode(text).ids, ssms=ssms[:1], tree=TREE, max_new_tokens=40,
+                                    eos_ids=llm.config.eos_token_ids) for t in s]
+    (out, _), = orch.run(request(tok, text, exclude_input_in_output=np.array([True])))
+    assert text_of(out) == tok.decode(want)
+    assert drafted[0] > 0 and drafted[1] == 0 and held == [1, 0]
+    sampled = list(orch.run(request(tok, text, temperature=np.array([0.7], np.float32),
+                                    random_seed=np.array([3], np.uint64))))
+    assert text_of(sampled[-1][0])
+    assert drafted[1] > 0 and held == [1, 1]
+    drafted_greedy = drafted[0]
+    list(orch.run(request(tok, "x = ", temperature=np.array([1.0], np.float32))))
+    assert drafted[0] == drafted_greedy
+    assert all(len(m.sequences) == 0 for m in routed) and all(rt.sequences() == [] for rt in ssms)
+    with pytest.raises(SpecInferError, match="drafts_for must be one of all, greedy, sampled"):
+        DraftModel(ssms[0], 0, drafts_for="sampling")
+
+
+def test_the_repository_names_the_requests_each_ssm_drafts_for(served_pair, tmp_path):
+    close, far = served_pair["ssms"]
+    repo = write_repository(served_pair["llm"], [close], tmp_path / "repo", tree="1,1", sampling_ssms=[far],
+                            lookup=False)
+    alone = write_repository(served_pair["llm"], [close], tmp_path / "alone", tree="1,1", lookup=False)
+    param = lambda repo, model, key: re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)" }}',
+                                               (repo / model / "config.pbtxt").read_text()).group(1)
+    assert [param(repo, m, "drafts_for") for m in ("ssm_0", "ssm_1")] == ["greedy", "sampled"]
+    assert param(repo, "ssm_1", "model_dir") == str(far.resolve())
+    for name in ("ensemble", "ensemble_fused"):
+        assert param(repo, name, "ssm_dirs") == str(close.resolve())
+        assert param(repo, name, "sampling_ssm_dirs") == str(far.resolve())
+        assert param(alone, name, "sampling_ssm_dirs") == ""
+    assert '"ssm_1"' in (repo / "spec_step" / "config.pbtxt").read_text()   # the ensemble steps both
+    assert param(alone, "ssm_0", "drafts_for") == "all" and not (alone / "ssm_1").exists()
 
 
 # --- sampling through the served models keeps the LLM's distribution ------------------------------

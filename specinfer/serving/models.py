@@ -175,16 +175,26 @@ class _SequenceModel:
         return self.runtime.kv_bytes()
 
 
+DRAFTS_FOR = ("all", "greedy", "sampled")
+
+
 class DraftModel(_SequenceModel):
     """``ssm_<i>``: one SSM's sequences; a step commits last step's verdict, then drafts a tree.
 
     ``tree`` is the default tree spec; the dynamic tree needs ``step_cost``, the LLM's verification
-    cost table (the repository measures it when it is written)."""
+    cost table (the repository measures it when it is written). ``drafts_for``: the requests it
+    drafts for, "all", "greedy" or "sampled" (a repository with SSMs for sampled requests, e.g. a
+    distilled one, has both kinds); for the others it keeps no sequence and drafts nothing."""
+
+    drafts_for = "all"    # the lookup drafter's, always
 
     def __init__(self, runtime: Runtime, index: int, tree: str = DYNAMIC, step_cost: StepCost | None = None,
-                 key: str | None = None):
+                 key: str | None = None, drafts_for: str = "all"):
         parse_tree(tree)
+        if drafts_for not in DRAFTS_FOR:
+            raise SpecInferError(f"drafts_for must be one of {', '.join(DRAFTS_FOR)}, got {drafts_for!r}")
         self.runtime, self.index, self.default_tree, self.key = runtime, index, tree, key
+        self.drafts_for = drafts_for
         self.vocab_size = runtime.vocab_size
         self.sizer = TreeSizer(step_cost) if step_cost is not None else None
         self.sequences = _Sequences()
@@ -192,6 +202,10 @@ class DraftModel(_SequenceModel):
     def _drafter(self, seq_id, params: SamplingParams):
         """A new sequence's drafter."""
         return SSMDrafter(self.runtime, self.index, seq_id=seq_id)
+
+    def drafts(self, params: SamplingParams) -> bool:
+        """Whether this model drafts for a request sampled with ``params``."""
+        return self.drafts_for == "all" or (self.drafts_for == "sampled") != params.greedy
 
     def start(self, seq_id, prefix: list[int], params: SamplingParams) -> None:
         drafter = self._drafter(seq_id, params)
@@ -236,13 +250,17 @@ class DraftModel(_SequenceModel):
         for i, t in enumerate(requests):
             try:
                 op, seq = _op_and_sequence(t, self.key)
-                if op == "start":
-                    self.start(seq, _ids(t, "tokens"), sampling_from(t))
-                elif op == "release":
+                params = sampling_from(t)
+                if op == "release":
                     self.release(seq)
+                elif not self.drafts(params):   # another SSM drafts for this request: nothing to do
+                    answers[i] = tree_to_tensors(TokenTree(scalar(t, "root", "i", 0)), self.vocab_size)
+                    continue
+                elif op == "start":
+                    self.start(seq, _ids(t, "tokens"), params)
                 else:
                     tree = tree_spec(t) if t.get("tree") is not None else None
-                    steps.append((i, self.stepping(seq, _ids(t, "tokens"), scalar(t, "root", "i", None), sampling_from(t),
+                    steps.append((i, self.stepping(seq, _ids(t, "tokens"), scalar(t, "root", "i", None), params,
                                                    scalar(t, "budget", "i", DEFAULT_BUDGET), tree)))
                     continue
                 answers[i] = tree_to_tensors(TokenTree(0), self.vocab_size)

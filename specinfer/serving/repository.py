@@ -69,14 +69,18 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) 
     return StepCost.measure(runtime)
 
 
-def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC,
+def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC, *,
+                     sampling_ssms: list[str | Path] = (),
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
                      batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
                      stream_interval: float = STREAM_INTERVAL) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
-    or widths; a request may ask for another). ``engines``: a folder of TensorRT engines
-    (``llm/``, ``ssm_<i>/``, from ``specinfer build``) to run instead of ONNX Runtime.
+    or widths; a request may ask for another). ``sampling_ssms``: SSMs that draft for sampled
+    requests instead of ``ssms`` (e.g. a distilled one); they follow ``ssms`` as ``ssm_<i>``
+    models, each drafting for one kind of request. ``engines``: a folder of TensorRT engines
+    (``llm/``, ``ssm_<i>/`` for ``ssms`` then ``sampling_ssms``, from ``specinfer build``) to run
+    instead of ONNX Runtime.
     ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
@@ -92,7 +96,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
         raise SpecInferError(f"{out} exists and is not a specinfer model repository")
     llm_dir = onnx_folder(llm).resolve()
-    ssm_dirs = [onnx_folder(s).resolve() for s in ssms]
+    ssm_dirs = [onnx_folder(s).resolve() for s in [*ssms, *sampling_ssms]]
     manifest = read_manifest(llm_dir)
     vocab = manifest["config"]["vocab_size"]
     for d in ssm_dirs:
@@ -102,6 +106,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if engines is not None:
         engine, engines = "tensorrt", Path(engines).resolve()
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
+    # Which requests each ssm_<i> drafts for: all of them, unless some SSMs are for sampled ones.
+    drafts_for = (["greedy"] * len(ssms) + ["sampled"] * len(sampling_ssms)) if sampling_ssms else ["all"] * len(ssms)
     cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ssm_dirs or lookup else None
     lookup = lookup and cost is not None
     if out.exists():
@@ -123,6 +129,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     for i, name in enumerate(drafters):
         _model("ssm", name, out, name=name, drafter="lookup" if name == "lookup" else "ssm",
                model_dir=ssm_dirs[i] if i < len(ssm_dirs) else "", index=i, tree=tree, step_cost=cost_file,
+               drafts_for=drafts_for[i] if i < len(ssm_dirs) else "all",
                vocab_size=vocab, idle_timeout=idle_timeout, **common)
     n = len(drafters)
     ssm_inputs = "".join(f',\n  {{ name: "{f}_{i}" data_type: {t} dims: [ {d} ] }}' for i in range(n) for f, t, d in TREE_FIELDS)
@@ -137,11 +144,13 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     _model("spec_step", "spec_step", out, ssm_steps=ssm_steps, builder_inputs=builder_inputs)
     for name, mode, decoupled in ORCHESTRATORS:
         _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
-               ssm_dirs=os.pathsep.join(map(str, ssm_dirs)), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
+               ssm_dirs=os.pathsep.join(map(str, ssm_dirs[:len(ssms)])),
+               sampling_ssm_dirs=os.pathsep.join(map(str, ssm_dirs[len(ssms):])), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
                lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
                batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
                stream_interval=stream_interval, **common)
     (out / "specinfer_repository.json").write_text(json.dumps(
-        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs], "tree": tree, "engine": engine, "lookup": lookup},
+        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs[:len(ssms)]],
+         "sampling_ssms": [str(d) for d in ssm_dirs[len(ssms):]], "tree": tree, "engine": engine, "lookup": lookup},
         indent=2))
     return out

@@ -39,6 +39,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.decoupled = glue.is_decoupled(pb, args)
         tree, ssm_dirs = p["tree"], [d for d in p["ssm_dirs"].split(os.pathsep) if d]
+        sampling_dirs = [d for d in p.get("sampling_ssm_dirs", "").split(os.pathsep) if d]
         lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
         budget = int(p["budget"])
         self.stream_interval = float(p.get("stream_interval", glue.STREAM_INTERVAL))   # absent in older repositories
@@ -47,7 +48,8 @@ class TritonPythonModel:
             threads = int(p["threads"]) or None
             llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
-            scheduler = Scheduler(llm, ssms, kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
+            sampling_ssms = [load_runtime(d, p["engine"], threads=threads) for d in sampling_dirs]
+            scheduler = Scheduler(llm, ssms, sampling_ssms=sampling_ssms, kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                   batch_tree_tokens=int(p["batch_tree_tokens"]),
                                   prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
             self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
@@ -63,7 +65,8 @@ class TritonPythonModel:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
             max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
             vocab = manifest["config"]["vocab_size"]
-            names = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
+            # Every drafter: each ssm_<i> knows whether it drafts for greedy or sampled requests.
+            names = [f"ssm_{i}" for i in range(len(ssm_dirs) + len(sampling_dirs))] + (["lookup"] if lookup else [])
             call = lambda model, inputs: glue.bls(pb, model, inputs)
             key = glue.caller_key(args)
             make = lambda req, stats: RemoteSpeculator(call, names, uuid.uuid4().hex, max_context, req.params,
