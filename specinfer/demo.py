@@ -1,9 +1,9 @@
 """`make demo`: the whole path on the embedded default, ONNX Runtime on CPU.
 
-The embedded models (trained here on the Python standard library: a 12.6M-parameter LLM and the
-first of its boost-tuned SSMs) -> ONNX export with the TreeAttention op (once, cached) -> ONNX Runtime ->
-incremental and speculative generation of held-out prompts -> the same text, faster, with the
-speed and acceptance statistics of each.
+The embedded models (trained here on the Python standard library: a 12.6M-parameter LLM, the first
+of its boost-tuned SSMs, and that SSM distilled for sampled requests) -> ONNX export with the
+TreeAttention op (once, cached) -> ONNX Runtime -> incremental and speculative generation of
+held-out prompts -> the same text, faster, with the speed and acceptance statistics of each.
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import os
 import sys
 
 from .generate import Stats
-from .models import embedded_llm, embedded_prompts, embedded_ssms
+from .models import embedded_llm, embedded_prompts, embedded_sampling_ssms, embedded_ssms
 from .sampling import SamplingParams
-from .speculate import DEFAULT_MIN_CONFIDENCE
 from .text import shown_prompt
 
 
@@ -28,8 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
 
     prompts = a.prompt or ["def fibonacci(n):\n"] + embedded_prompts()[:2]
+    # The defaults of `specinfer generate`: the dynamic tree, SSM 1 and lookup for greedy requests,
+    # the distilled SSM 1 for sampled ones.
     runs = {"incremental": Pipeline(embedded_llm(), lookup=False),
-            "speculative": Pipeline(embedded_llm(), ssms=embedded_ssms()[:1], min_confidence=DEFAULT_MIN_CONFIDENCE)}
+            "speculative": Pipeline(embedded_llm(), ssms=embedded_ssms()[:1], sampling_ssms=embedded_sampling_ssms())}
     totals = {name: Stats() for name in runs}
     for prompt in prompts:
         texts = {}
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
         if texts["incremental"] != texts["speculative"]:
             raise SystemExit("speculative output differs from incremental decoding: this is a bug")
     # A 12M model's greedy text soon repeats itself; sampling shows what else it writes, with the
-    # same speculation (distributed exactly as the LLM's own sampling, not equal to it token for token).
+    # same pipeline, drafting with the distilled SSM (distributed exactly as the LLM's own sampling,
+    # not equal to it token for token).
     stats, sampled = Stats(), SamplingParams(temperature=0.7, seed=0)
     _show("speculative, sampled at temperature 0.7", prompts[0], runs["speculative"].stream(prompts[0], a.max_tokens,
                                                                                           sampled, stats))

@@ -167,3 +167,26 @@ def test_cli_exits_2_on_a_greedy_mismatch(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "outputs identical: no (1 mismatches" in out and "| 2 | 30.0 |" in out
     assert err.startswith("specinfer: error: greedy outputs differ: 1 of 4 outputs")
+
+
+def test_sampled_sweeps_count_no_mismatches():
+    """Sampled outputs are not compared, so the table shows no mismatch count for them (differing
+    sampled outputs are no error), where a greedy sweep counts them."""
+    from dataclasses import asdict
+
+    from specinfer.client import bench
+
+    results = []
+    for level in (1, 2):
+        samples = [bench.Sample(0, ok=True, latency_s=0.1, tokens=3, output_ids=[1, 2, level])]
+        run = {"summary": bench.summarize(samples, 0.1), "samples": [asdict(s) for s in samples], "tree": None}
+        results.append({"concurrency": level, "requests": 1, "contenders": {"speculative": run}})
+    outputs = bench.compare_outputs([(e["concurrency"], n, r["samples"]) for e in results
+                                     for n, r in e["contenders"].items()])
+    for greedy, counts, cell in ((True, [0, 1], "| 0 | 1 |"), (False, [None, None], "| 0 | - |")):
+        o = outputs | {"checked": greedy, "greedy": greedy, "identical": outputs["mismatches"] == 0 if greedy else None}
+        rows = bench.sweep_rows(results, o)
+        assert [r["mismatches"] for r in rows] == counts
+        table = bench.sweep_markdown({"config": {"contenders": ["speculative"]}, "rows": rows, "outputs": o,
+                                      "memory": {"pids": []}})
+        assert table.splitlines()[3].endswith(cell), table

@@ -462,10 +462,11 @@ def sweep_rows(results: list[dict], outputs: dict | None = None) -> list[dict]:
     mismatches = Counter()
     for m in (outputs or {}).get("mismatches_by_run", []):
         mismatches[m["concurrency"]] += m["mismatches"]
+    checked = (outputs or {}).get("checked", True)   # sampled outputs are not compared: no count
     rows = []
     for e in results:
         row: dict = {"concurrency": e["concurrency"], "requests": e["requests"], "failures": 0,
-                     "mismatches": mismatches[e["concurrency"]]}
+                     "mismatches": mismatches[e["concurrency"]] if checked else None}
         for name, run in e["contenders"].items():
             s = run["summary"]
             first = base["contenders"][name]["summary"]["tokens_per_s"]
@@ -508,7 +509,7 @@ def sweep_markdown(report: dict) -> str:
             cells += [_f(c["tokens_per_s"]), f"{_f(c['token_itl_p50_ms'])} / {_f(c['token_itl_p99_ms'])}",
                       _f(c["ttft_p50_ms"]), _f(c["over_lowest_level"], 2, "x")]
         cells += [_f(r.get("speculative_over_incremental"), 2, "x")] if both else []
-        cells += [str(r["failures"]), str(r["mismatches"])]
+        cells += [str(r["failures"]), "-" if r["mismatches"] is None else str(r["mismatches"])]
         if watched:
             cells.append(_f(max((r[n]["memory_peak_mb"] or 0.0) for n in contenders), 0))
         lines.append("| " + " | ".join(cells) + " |")
