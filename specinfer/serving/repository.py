@@ -145,7 +145,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     for name, mode, decoupled in ORCHESTRATORS:
         _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs[:len(ssms)])),
-               sampling_ssm_dirs=os.pathsep.join(map(str, ssm_dirs[len(ssms):])), tokenizer_dir=tokenizer_dir, tree=tree, budget=budget,
+               sampling_ssm_dirs=os.pathsep.join(map(str, ssm_dirs[len(ssms):])), tokenizer_dir=tokenizer_dir,
+               tree=tree, budget=budget,
                lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
                batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
                stream_interval=stream_interval, **common)

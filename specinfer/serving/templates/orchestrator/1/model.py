@@ -49,7 +49,8 @@ class TritonPythonModel:
             llm = load_runtime(p["llm_dir"], p["engine"], threads=threads)
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]
             sampling_ssms = [load_runtime(d, p["engine"], threads=threads) for d in sampling_dirs]
-            scheduler = Scheduler(llm, ssms, sampling_ssms=sampling_ssms, kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
+            scheduler = Scheduler(llm, ssms, sampling_ssms=sampling_ssms,
+                                  kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                   batch_tree_tokens=int(p["batch_tree_tokens"]),
                                   prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
             self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
