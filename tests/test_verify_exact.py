@@ -469,10 +469,19 @@ def sized_sampled_chains(params, monkeypatch, min_confidence=0.0, draft_vocab=No
     proposal says it was drawn from, ``draft_distribution``) and enumerated depth first; what it
     keeps is the real drafter's and sizer's doing. ``draft_vocab``: the SSM's (its draws among
     those tokens only)."""
+    import itertools
+    from types import SimpleNamespace
+
     import specinfer.engines.runtime as runtime_module
+    import specinfer.speculate as speculate_module
     from specinfer.speculate import draft_distribution, draft_temperature
 
     real_draw, out = runtime_module.chain_draw, []
+    # Whether the sizer drafts another chunk weighs the draft's measured seconds: a clock that ticks
+    # per reading makes that the same in every replay of a script (under load, real timings differed
+    # between replays and the enumeration lost its way).
+    clock = itertools.count(0.0, 1e-4)
+    monkeypatch.setattr(speculate_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
 
     def run(script: list[int]) -> None:
         state = {"at": 0, "weight": 1.0, "options": None}
