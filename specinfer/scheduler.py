@@ -444,8 +444,8 @@ class BatchedSpeculator:
         s._admit(nbytes, tokens)
         self.reserved = nbytes
         try:
-            self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats, seq_id=self.seq_id, capacity=tokens,
-                                         **self.options)
+            self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats,
+                                         seq_id=self.seq_id, capacity=tokens, **self.options)
             with s._lock:
                 s.running.add(self)
         except BaseException:
