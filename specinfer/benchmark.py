@@ -45,35 +45,29 @@ class BenchConfig:
     lookup: bool = True             # the dynamic tree also drafts by lookup (lookup.py); a lookup-only row too
     progress: bool = True
     streams: tuple[int, ...] = ()   # greedy: also through the scheduler, with this many requests at once
-    rounds: int = 1                 # every contender this many times, in alternating order; the median reported
+    rounds: int = 1                 # every contender this many times over the prompts; the median round reported
 
 
-def _measured(stats: "Stats") -> dict:
-    """A run's row fields from its statistics."""
-    return dict(tokens=stats.new_tokens, seconds=stats.total_seconds, tokens_per_s=stats.tokens_per_second,
-                tokens_per_step=stats.mean_tokens_per_step if stats.steps else None,
-                ssm_s=stats.ssm_seconds, llm_s=stats.llm_seconds, other_s=stats.other_seconds,
-                histogram=stats.histogram)
+def _measured(stats: "Stats", peer: bool = False) -> dict:
+    """A round's row fields from its statistics (a peer's: what the tool reports, no time split)."""
+    row = dict(tokens=stats.new_tokens, seconds=stats.total_seconds, tokens_per_s=stats.tokens_per_second,
+               tokens_per_step=stats.mean_tokens_per_step if stats.steps else None, histogram=stats.histogram)
+    return row if peer else row | dict(ssm_s=stats.ssm_seconds, llm_s=stats.llm_seconds, other_s=stats.other_seconds)
 
 
-def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, name: str,
-          params, rule: str = "mss", lookup: bool = False) -> tuple["Stats", list[list[int]]]:
-    from tqdm import tqdm
-
-    from .generate import Stats, generate_ids
+def _ours(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, params, index: int,
+          stats: "Stats", rule: str = "mss", lookup: bool = False) -> list[int]:
+    """Prompt ``index`` decoded by our engine in this process, its costs added to ``stats``."""
+    from .generate import generate_ids
     from .speculate import default_min_confidence
 
     min_confidence = default_min_confidence(tree, params) if cfg.min_confidence is None else cfg.min_confidence
-    stats, outputs = Stats(), []
-    for i, prompt in enumerate(tqdm(cfg.prompts, desc=name, disable=not cfg.progress, leave=False)):
-        if not params.greedy:
-            params = replace(params, seed=cfg.seed + i)
-        outputs.append([t for step in generate_ids(llm, prompt, ssms=ssms, tree=tree, params=params,
-                                                   max_new_tokens=cfg.max_new_tokens, eos_ids=llm.config.eos_token_ids,
-                                                   stats=stats, rule=rule, min_confidence=min_confidence,
-                                                   lookup=lookup)
-                            for t in step])
-    return stats, outputs
+    if not params.greedy:
+        params = replace(params, seed=cfg.seed + index)
+    return [t for step in generate_ids(llm, cfg.prompts[index], ssms=ssms, tree=tree, params=params,
+                                       max_new_tokens=cfg.max_new_tokens, eos_ids=llm.config.eos_token_ids,
+                                       stats=stats, rule=rule, min_confidence=min_confidence, lookup=lookup)
+            for t in step]
 
 
 def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Sequence[int] | None, streams: int,
@@ -110,13 +104,63 @@ def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Se
     for t in threads:
         t.join()
     scheduler.close()
-    stats = Stats(prompt_tokens=sum(r.prompt_tokens for r in per_request), new_tokens=sum(r.new_tokens for r in per_request),
-                  tokens_per_step=[k for r in per_request for k in r.tokens_per_step],
-                  draft_tokens=sum(r.draft_tokens for r in per_request),
-                  accepted_draft_tokens=sum(r.accepted_draft_tokens for r in per_request),
-                  ssm_seconds=scheduler.seconds["draft"], llm_seconds=scheduler.seconds["llm"],
-                  total_seconds=time.perf_counter() - started)
+    stats = Stats.total(per_request)
+    # The requests overlapped: the run's wall time and the scheduler's own model time are the costs.
+    stats.ssm_seconds, stats.llm_seconds = scheduler.seconds["draft"], scheduler.seconds["llm"]
+    stats.total_seconds = time.perf_counter() - started
     return stats, outputs
+
+
+class _Unavailable(Exception):
+    """A peer that cannot run here (the reason is its message)."""
+
+
+@dataclass
+class _Job:
+    """A contender: its row's fixed fields and how it runs. ``run(indices, stats)`` decodes those
+    prompts, adds their costs to ``stats`` and returns their outputs; a job ``whole`` (the
+    scheduler's, which serves many prompts at once) is given every prompt in one call."""
+    fixed: dict
+    run: Callable[[Sequence[int], "Stats"], list[list[int]]]
+    whole: bool = False
+
+
+def _interleaved(jobs: list[_Job], prompts: int, rounds: int, progress: bool) -> list[list[tuple["Stats", list]]]:
+    """Each job's (stats, outputs) per round. Within a round the jobs take turns prompt by prompt,
+    in alternating order (this machine's speed drifts within minutes, and so every contender meets
+    the same drift: a ratio of two rows is a ratio of runs seconds apart, not minutes); the jobs
+    ``whole`` follow. A peer that turns out unavailable is left out from then on and gets no
+    rounds (its reason in ``jobs[i].fixed["unavailable"]``)."""
+    from tqdm import tqdm
+
+    from .generate import Stats
+
+    results: list[list[tuple[Stats, list]]] = [[] for _ in jobs]
+    by_prompt = [i for i, job in enumerate(jobs) if not job.whole]
+    whole = [i for i, job in enumerate(jobs) if job.whole]
+    bar = tqdm(total=rounds * (prompts + len(whole)), desc="bench", unit="run", disable=not progress, leave=False)
+    turn = 0
+    for _ in range(rounds):
+        stats = [Stats() for _ in jobs]
+        outputs: list[list] = [[] for _ in jobs]
+        # (the prompts one by one, each run by every job; then each whole job on every prompt)
+        runs = [(p, [p], by_prompt) for p in range(prompts)] + [(None, list(range(prompts)), [i]) for i in whole]
+        for p, indices, order in runs:
+            if p is not None:
+                order, turn = (order[::-1] if turn % 2 else order), turn + 1
+            for i in order:
+                if "unavailable" in jobs[i].fixed:
+                    continue
+                try:
+                    outputs[i] += jobs[i].run(indices, stats[i])
+                except _Unavailable as e:
+                    jobs[i].fixed["unavailable"] = str(e)
+            bar.update()
+        for i in range(len(jobs)):
+            if "unavailable" not in jobs[i].fixed:
+                results[i].append((stats[i], outputs[i]))
+    bar.close()
+    return results
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -127,24 +171,24 @@ def run_bench(cfg: BenchConfig) -> dict:
     (an AssertionError otherwise); a peer's outputs are compared and the count of equal ones reported.
     Sampling, at each of SAMPLING_TEMPERATURES: our incremental sampling, and each verification rule
     (MSS, traversal, naive) on each tree with all SSMs, on the same prompts and seeds; a row's
-    speedup is against incremental sampling at its temperature.
+    speedup is against incremental sampling at its temperature. The contenders take turns prompt
+    by prompt (:func:`_interleaved`); each row is its median round.
     """
     from . import peers
     from .engines.loader import load_runtime
+    from .generate import Stats
     from .sampling import SamplingParams
 
     llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads)
     ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads) for s in cfg.ssms]
     sets = {"SSM 1": ssms[:1]} | ({f"all {len(ssms)} SSMs": ssms} if len(ssms) > 1 else {})
-    # Each contender is a job: its row's fixed fields and a run giving (row fields measured, outputs).
-    jobs: list[tuple[dict, Callable[[], tuple[dict, list]]]] = []
+    jobs: list[_Job] = []
 
     def ours(name: str, drafts, tree, params, rule="mss", lookup=False, tree_name="-") -> None:
-        def run():
-            stats, outputs = _ours(cfg, llm, drafts, tree, name, params, rule, lookup)
-            return _measured(stats), outputs
-        jobs.append((dict(contender=name, tool="specinfer", tree=tree_name, ssms="-" if tree == [] else str(len(drafts)),
-                          rule=rule, lookup=lookup, temperature=params.temperature), run))
+        def run(indices, stats):
+            return [_ours(cfg, llm, drafts, tree, params, i, stats, rule, lookup) for i in indices]
+        jobs.append(_Job(dict(contender=name, tool="specinfer", tree=tree_name, ssms="-" if tree == [] else str(len(drafts)),
+                              rule=rule, lookup=lookup, temperature=params.temperature), run))
 
     for params in ([SamplingParams(temperature=t, seed=cfg.seed) for t in SAMPLING_TEMPERATURES] if cfg.sampling
                    else [SamplingParams()]):
@@ -170,50 +214,47 @@ def run_bench(cfg: BenchConfig) -> dict:
             for name, drafts in ((f"ours incremental, {n} streams (scheduler)", []),
                                  (f"ours {tree_name} SSM 1{' + lookup' if lookup else ''}, {n} streams (scheduler)",
                                   ssms[:1])):
-                def run(drafts=drafts, n=n):
-                    stats, outputs = _scheduled(cfg, llm, drafts, [] if not drafts else tree, n, lookup and bool(drafts))
-                    return _measured(stats), outputs
-                jobs.append((dict(contender=name, tool="specinfer", tree=tree_name if drafts else "-",
-                                  ssms=str(len(drafts)) if drafts else "-", rule="mss", lookup=lookup and bool(drafts),
-                                  temperature=0.0, streams=n), run))
+                def run(indices, stats, drafts=drafts, n=n):
+                    measured, outputs = _scheduled(cfg, llm, drafts, [] if not drafts else tree, n, lookup and bool(drafts))
+                    stats.add(measured)
+                    return outputs
+                jobs.append(_Job(dict(contender=name, tool="specinfer", tree=tree_name if drafts else "-",
+                                      ssms=str(len(drafts)) if drafts else "-", rule="mss", lookup=lookup and bool(drafts),
+                                      temperature=0.0, streams=n), run, whole=True))
     if cfg.peers and not cfg.sampling:
-        kw = dict(prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
         from .speculate import DYNAMIC_DEPTH
 
         depth = max(DYNAMIC_DEPTH if t is None else len(t) for t in cfg.trees.values())
         for name, tool, peer in [
-            ("transformers greedy", "transformers", lambda: peers.transformers_greedy(cfg.llm, **kw)),
-            ("transformers assisted", "transformers", lambda: peers.transformers_assisted(cfg.llm, cfg.ssms[0], **kw)),
-            ("onnxruntime-genai greedy", "onnxruntime-genai", lambda: peers.ortgenai_greedy(cfg.llm, **kw)),
+            ("transformers greedy", "transformers", lambda **kw: peers.transformers_greedy(cfg.llm, **kw)),
+            ("transformers assisted", "transformers", lambda **kw: peers.transformers_assisted(cfg.llm, cfg.ssms[0], **kw)),
+            ("onnxruntime-genai greedy", "onnxruntime-genai", lambda **kw: peers.ortgenai_greedy(cfg.llm, **kw)),
             (f"onnxruntime-genai speculative chain {depth}", "onnxruntime-genai",
-             lambda: peers.ortgenai_speculative(cfg.llm, cfg.ssms[0], draft_tokens=depth, **kw)),
+             lambda **kw: peers.ortgenai_speculative(cfg.llm, cfg.ssms[0], draft_tokens=depth, **kw)),
         ]:
-            def run(name=name, peer=peer):
-                if cfg.progress:
-                    print(f"running {name} ...", file=sys.stderr, flush=True)
-                r = peer()
-                return (dict(unavailable=r.unavailable) if r.unavailable else dict(
-                    tokens=r.new_tokens, seconds=r.seconds, tokens_per_s=r.tokens_per_second,
-                    tokens_per_step=float(np.mean(r.tokens_per_step)) if r.tokens_per_step else None,
-                    histogram=dict(sorted(Counter(r.tokens_per_step).items())))), r.outputs
+            def run(indices, stats, peer=peer):
+                r = peer(prompts=[cfg.prompts[i] for i in indices], max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
+                if r.unavailable:
+                    raise _Unavailable(r.unavailable)
+                stats.add(Stats(new_tokens=r.new_tokens, total_seconds=r.seconds, tokens_per_step=list(r.tokens_per_step)))
+                return r.outputs
             drafted = "speculative" in name or "assisted" in name
-            jobs.append((dict(contender=name, tool=tool, tree=f"chain {depth}" if "speculative" in name else "-",
-                              ssms="1" if drafted else "-"), run))
+            jobs.append(_Job(dict(contender=name, tool=tool, tree=f"chain {depth}" if "speculative" in name else "-",
+                                  ssms="1" if drafted else "-"), run))
 
     # Warm-up, untimed: a cold process runs its first calls far slower, which would tax whichever
     # contender comes first.
-    _ours(replace(cfg, prompts=cfg.prompts[:2]), llm, ssms, None, "warm-up", SamplingParams(), lookup=cfg.lookup)
-    # Rounds in alternating order: this machine's speed drifts within minutes, and a contender timed
-    # at the start and at the end of each pair of rounds shares the drift with the others.
-    results: list[list[tuple[dict, list]]] = [[] for _ in jobs]
-    for r in range(cfg.rounds):
-        order = range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))
-        for i in order:
-            results[i].append(jobs[i][1]())
+    for i in range(min(2, len(cfg.prompts))):
+        _ours(cfg, llm, ssms, None, SamplingParams(), i, Stats(), lookup=cfg.lookup)
+    results = _interleaved(jobs, len(cfg.prompts), cfg.rounds, cfg.progress)
     rows = []
     reference = None   # greedy: our incremental outputs, which every greedy contender is compared with
-    for (fixed, _), runs in zip(jobs, results):
-        measured = [m for m, _ in runs]
+    for job, runs in zip(jobs, results):
+        fixed = job.fixed
+        if not runs:   # a peer that cannot run here
+            rows.append(fixed)
+            continue
+        measured = [_measured(stats, peer=fixed["tool"] != "specinfer") for stats, _ in runs]
         # The round of median tokens/s stands for the contender (its time columns stay one run's).
         row = {**fixed, **sorted(measured, key=lambda m: m.get("tokens_per_s") or 0)[len(measured) // 2]}
         if cfg.rounds > 1 and not row.get("unavailable"):
@@ -231,7 +272,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     base = {r.get("temperature"): r for r in rows if r["contender"].startswith("ours incremental") and "streams" not in r}
     for r in rows:
         b = base.get(r.get("temperature"), rows[0])
-        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if r.get("tokens_per_s") else None
+        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if r.get("tokens_per_s") and b.get("tokens_per_s") else None
     return {"llm": str(cfg.llm), "ssms": [str(s) for s in cfg.ssms], "prompts": len(cfg.prompts),
             "max_new_tokens": cfg.max_new_tokens, "rounds": cfg.rounds,
             "mode": f"sampling (temperature {' and '.join(f'{t:g}' for t in SAMPLING_TEMPERATURES)})" if cfg.sampling
@@ -297,7 +338,8 @@ def report_markdown(report: dict) -> str:
             for r in report["rows"]]
     rounds = report.get("rounds", 1)
     text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
-            + (f"{rounds} rounds in alternating order (tokens/s: median, range), " if rounds > 1 else "")
+            + "contenders taking turns prompt by prompt, "
+            + (f"{rounds} rounds (tokens/s: median round, range), " if rounds > 1 else "")
             + f"our drafters' min confidence "
             f"{report['min_confidence'] if report['min_confidence'] is not None else _default_min_confidence(report)}\n\n"
             + markdown_table(["contender", "tokens/s", "vs ours incremental", "tokens/step", "SSM s", "LLM s",

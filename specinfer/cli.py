@@ -660,8 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling at temperatures 1 and 0.7: MSS, traversal and naive verification on each tree")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (prompt i uses seed + i)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run every contender this many times, in alternating order (this machine's speed drifts "
-                        "within minutes); report each one's median round and the range")
+                   help="run every contender over the prompts this many times (the contenders take turns prompt "
+                        "by prompt, as this machine's speed drifts within minutes); report each one's median "
+                        "round and the range")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     _add_lookup(p)
     _add_min_confidence(p)

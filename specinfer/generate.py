@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -55,6 +55,22 @@ class Stats:
         self.accepted_draft_tokens += part.accepted_draft_tokens
         self.ssm_seconds += part.ssm_seconds
         self.llm_seconds += part.llm_seconds
+
+    def add(self, other: "Stats") -> None:
+        """Add another run's counts and times (e.g. another prompt's)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.tokens_per_step += other.tokens_per_step
+        self.add_step(other)
+        self.total_seconds += other.total_seconds
+
+    @classmethod
+    def total(cls, parts: "Iterable[Stats]") -> "Stats":
+        """The sum of several runs' Stats."""
+        out = cls()
+        for part in parts:
+            out.add(part)
+        return out
 
     @property
     def steps(self) -> int:

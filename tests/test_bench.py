@@ -70,38 +70,75 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"])
         assert i % 4 == 0 or row["tokens_per_step"] >= 1
         assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] == max(row["tokens_per_s_rounds"])
-    assert "2 rounds in alternating order" in r.stdout
+    assert "taking turns prompt by prompt, 2 rounds" in r.stdout
 
 
-def test_bench_rounds_alternate_the_order_and_report_the_median_round(monkeypatch, pair):
-    """Round 1 runs the contenders in order, round 2 in reverse, and so on; each row is its median
-    round; an output that changes between rounds fails the identity check."""
+def test_bench_contenders_take_turns_prompt_by_prompt_and_report_the_median_round(monkeypatch, pair):
+    """Within a round the contenders take turns on each prompt, in alternating order (the first
+    prompt in order, the second in reverse, ...); a round's figures add up its prompts; each row is
+    its median round; an output that changes between rounds fails the identity check."""
     from specinfer import benchmark
     from specinfer.generate import Stats
 
-    calls, speed = [], iter([10, 20, 30, 60, 50, 40, 70, 80, 90]).__next__
+    calls = []
+    # tokens per call: the contender's round 1 / 2 / 3 figure is what its two prompts add up to
+    per_round = {"ours incremental": [10, 40, 70], "ours 1,1 SSM 1": [20, 50, 80], "ours 2 SSM 1": [30, 60, 90]}
+    trees = {(1, 1): "ours 1,1 SSM 1", (2,): "ours 2 SSM 1", (): "ours incremental"}
 
-    def fake_ours(cfg, llm, ssms, tree, name, params, rule="mss", lookup=False):
-        if name != "warm-up":
-            calls.append(name)
-        return Stats(new_tokens=speed() if name != "warm-up" else 1, total_seconds=1.0), [[1, 2]]
+    def fake_ours(cfg, llm, ssms, tree, params, index, stats, rule="mss", lookup=False):
+        if tree is None:   # the untimed warm-up (the dynamic tree)
+            return [1, 2]
+        name = trees[tuple(tree)]
+        calls.append((name, index))
+        round_ = sum(1 for n, i in calls if n == name and i == index) - 1
+        stats.add(Stats(new_tokens=per_round[name][round_] // 2, total_seconds=0.5))
+        return [index]
 
     monkeypatch.setattr(benchmark, "_ours", fake_ours)
-    cfg = benchmark.BenchConfig(pair[0], [pair[1]], [[5, 6, 7]], {"1,1": [1, 1], "2": [2]}, peers=False, rounds=3,
-                                progress=False)
+    cfg = benchmark.BenchConfig(pair[0], [pair[1]], [[5, 6, 7], [8, 9]], {"1,1": [1, 1], "2": [2]}, peers=False,
+                                rounds=3, progress=False)
     report = benchmark.run_bench(cfg)
     names = ["ours incremental", "ours 1,1 SSM 1", "ours 2 SSM 1"]
-    assert calls == names + names[::-1] + names
+    forward, backward = [(n, 0) for n in names], [(n, 1) for n in names[::-1]]
+    assert calls == (forward + backward) * 3
     rows = {r["contender"]: r for r in report["rows"]}
     assert rows["ours incremental"]["tokens_per_s_rounds"] == [10, 40, 70]
     assert rows["ours incremental"]["tokens_per_s"] == 40 and rows["ours 2 SSM 1"]["tokens_per_s"] == 60
     assert rows["ours 1,1 SSM 1"]["speedup"] == pytest.approx(50 / 40)
+    assert rows["ours 2 SSM 1"]["identical"] == 2
 
-    changing = iter([[[1]], [[1]], [[2]], [[1]]]).__next__   # the SSM row's second round differs
-    monkeypatch.setattr(benchmark, "_ours", lambda *a, **k: (Stats(new_tokens=1, total_seconds=1.0), changing())
-                        if a[4] != "warm-up" else (Stats(), []))
+    changing = iter([[1], [1], [2], [1], [1], [1]]).__next__   # the SSM row's second round differs
+    monkeypatch.setattr(benchmark, "_ours", lambda cfg, llm, ssms, tree, *a, **k: [1] if tree is None else changing())
     with pytest.raises(AssertionError, match="ours 1,1 SSM 1: 1 outputs differ"):
-        benchmark.run_bench(replace(cfg, rounds=2, trees={"1,1": [1, 1]}))
+        benchmark.run_bench(replace(cfg, prompts=[[5, 6, 7]], rounds=3, trees={"1,1": [1, 1]}))
+
+
+def test_a_peer_that_cannot_run_is_reported_not_raised(monkeypatch, pair):
+    """A peer that turns out unavailable keeps its row with the reason and is not run again."""
+    from specinfer import benchmark, peers
+
+    from specinfer.generate import Stats
+
+    def fake_ours(cfg, llm, ssms, tree, params, index, stats, *a, **k):
+        stats.add(Stats(new_tokens=1, total_seconds=0.5))
+        return [index]
+    monkeypatch.setattr(benchmark, "_ours", fake_ours)
+    tried = []
+
+    def broken(*a, **k):
+        tried.append(1)
+        return peers._unavailable("onnxruntime-genai greedy", "no such tool")
+    ok = lambda name: lambda llm, *a, prompts, **k: peers.PeerResult(name, [[i] for i, _ in enumerate(prompts)], 1.0, 1)
+    monkeypatch.setattr(peers, "ortgenai_greedy", broken)
+    monkeypatch.setattr(peers, "transformers_greedy", ok("transformers greedy"))
+    monkeypatch.setattr(peers, "transformers_assisted", ok("transformers assisted"))
+    monkeypatch.setattr(peers, "ortgenai_speculative", ok("onnxruntime-genai speculative"))
+    cfg = benchmark.BenchConfig(pair[0], [pair[1]], [[5, 6, 7], [8, 9]], {"1,1": [1, 1]}, rounds=2, progress=False)
+    rows = {r["contender"]: r for r in benchmark.run_bench(cfg)["rows"]}
+    assert rows["onnxruntime-genai greedy"]["unavailable"] == "no such tool" and tried == [1]
+    assert rows["transformers greedy"]["tokens_per_s_rounds"] == [1.0, 1.0]   # a token a second
+    assert "ssm_s" not in rows["transformers greedy"] and rows["ours incremental"]["ssm_s"] == 0.0
+    assert rows["transformers greedy"]["speedup"] == pytest.approx(1 / 2)
 
 
 def test_bench_runs_a_short_chain_by_default_under_sampling():
