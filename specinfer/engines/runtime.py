@@ -286,11 +286,13 @@ class Runtime(abc.ABC):
         self._check_pending_chain(seq_id)
         logits = self.score(seq_id, tokens)[-1]
         draft = ChainDraft([], [], [], [], [], [])
+        outside = None
+        if self.draft_vocab is not None:   # nothing outside it: no mass, never a top token
+            outside = np.ones(len(logits), bool)
+            outside[self.draft_vocab] = False
         for i in range(depth):
-            if self.draft_vocab is not None:   # nothing outside it: no mass, never a top token
-                within = np.full(len(logits), -np.inf, np.float32)
-                within[self.draft_vocab] = logits[self.draft_vocab]
-                logits = within
+            if outside is not None:
+                logits = np.where(outside, np.float32(-np.inf), logits)
             if noise is None:
                 first, p_first, second, p_second = chain_step(logits)
                 draft.runner_up.append(second)
