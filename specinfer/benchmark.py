@@ -3,14 +3,10 @@ JSON/markdown/PNG report. (Step times of a Runtime are :func:`specinfer.tree_siz
 from __future__ import annotations
 
 import os
-import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
-
-import numpy as np
 
 from .engines.runtime import Runtime
 from .verify import SAMPLING_RULES
