@@ -143,10 +143,10 @@ class LocalSpeculator:
         self.lookup: LookupDrafter | None = None
         try:
             self.drafters = [SSMDrafter(rt, i, min(capacity, rt.max_context), seq_id=seq_id,
-                                        min_confidence=min_confidence, sizer=self.sizer)
+                                        min_confidence=min_confidence, sizer=self.sizer, rule=rule)
                              for i, rt in enumerate(ssms)]
-            self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup"), DYNAMIC_DEPTH) \
-                if lookup else None
+            if lookup:
+                self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup", rule), DYNAMIC_DEPTH)
         except BaseException:
             self.release()
             raise

@@ -36,17 +36,20 @@ class SamplingParams:
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The shaped distribution, float64 [..., V]. Greedy gives a one-hot at the argmax."""
-    logits = np.asarray(logits, dtype=np.float64)
     if params.greedy:
-        out = np.zeros_like(logits)
+        logits = np.asarray(logits)
+        out = np.zeros(logits.shape, dtype=np.float64)
         np.put_along_axis(out, logits.argmax(-1)[..., None], 1.0, axis=-1)
         return out
-    z = logits / params.temperature
+    # In place on one float64 copy: at a vocabulary of 8k a pass costs a few microseconds, and a
+    # sampled step shapes every tree node's logits (about a tenth of its Python time).
+    z = np.array(logits, dtype=np.float64)
+    z /= params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
-        z = np.where(z < kth, -np.inf, z)
-    z = z - z.max(-1, keepdims=True)
-    p = np.exp(z)
+        z[z < kth] = -np.inf
+    z -= z.max(-1, keepdims=True)
+    p = np.exp(z, out=z)
     p /= p.sum(-1, keepdims=True)
     if params.top_p < 1.0:
         order = np.argsort(-p, axis=-1, kind="stable")
@@ -60,11 +63,32 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
+SAMPLE_BLOCK = 128   # tokens per block of sample()'s two-level search
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from a distribution [V] (exact inverse-CDF on float64)."""
-    c = np.cumsum(p)
-    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
-    # u * total can round up to the total itself: then take the last token that has mass.
+    """Draw one token id from a distribution [V] (exact inverse-CDF on float64): the first token
+    whose cumulative mass exceeds u times the total. Searched in two levels, the blocks' masses
+    then one block's tokens, as one cumulative sum over a vocabulary of 8k costs ~30 us (numpy's
+    cumsum runs one add at a time) against a few for the block sums."""
+    u = rng.random()
+    if len(p) <= 2 * SAMPLE_BLOCK:
+        return _first_above(np.cumsum(p), p, u)
+    starts = np.arange(0, len(p), SAMPLE_BLOCK)
+    blocks = np.cumsum(np.add.reduceat(p, starts))
+    target = u * blocks[-1]
+    b = int(np.searchsorted(blocks, target, side="right"))
+    if b >= len(blocks):   # u * total rounded up to the total: the last block that has mass
+        b = int(np.flatnonzero(np.diff(blocks, prepend=0.0) > 0)[-1])
+    below = blocks[b - 1] if b else 0.0
+    block = p[starts[b]:starts[b] + SAMPLE_BLOCK]
+    return int(starts[b]) + _first_above(below + np.cumsum(block), block, target, absolute=True)
+
+
+def _first_above(cumulative: np.ndarray, p: np.ndarray, u: float, absolute: bool = False) -> int:
+    """The first index whose ``cumulative`` mass exceeds ``u`` times the last (``absolute``: ``u``
+    itself); where rounding puts it past the end, the last index with mass (never one without)."""
+    i = int(np.searchsorted(cumulative, u if absolute else u * cumulative[-1], side="right"))
     return i if i < len(p) else int(np.flatnonzero(p)[-1])
 
 

@@ -185,8 +185,9 @@ class SSMDrafter:
 
     def __init__(self, runtime: Runtime, index: int = 0, capacity: int | None = None,
                  seq_id: Hashable | None = None, min_confidence: float = 0.0, sizer: TreeSizer | None = None,
-                 draw_dynamic: bool = True):
+                 draw_dynamic: bool = True, rule: str = "mss"):
         self.runtime, self.index = runtime, index
+        self.rule = rule   # the verification rule of sampled steps: its own acceptance record
         # Under sampling the dynamic tree's chain is the SSM's draws (accepted with sum min(p, q)),
         # or without draw_dynamic its top tokens (point masses to verification, accepted with
         # p(top)); both exact. Draws by default: with the distilled sampling SSM, on held-out code
@@ -265,7 +266,7 @@ class SSMDrafter:
         if len(chain) > free:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
         if self.sizer is not None:
-            self._acceptance = acceptance(self.runtime, params)
+            self._acceptance = acceptance(self.runtime, params, rule=self.rule)
             if not self._acceptance.drafting_pays(lead):
                 return tree   # drafts do not pay here: no call now, the tokens wait as catch-up
         if self.sizer is not None or all(w == 1 for w in widths):   # a chain: in the runtime's fewest calls
@@ -343,7 +344,7 @@ class SSMDrafter:
                 # probability there is the SSM's confidence at the token's parent.
                 for candidates, logits in zip(part.candidates, part.candidate_logits):
                     q.append(draft_distribution(candidates, logits, temperature, self.runtime.vocab_size))
-                    part.probability.append(float(q[-1].max()))
+                    part.probability.append(float(q[-1][candidates].max()))
             self._call_seconds[size] = self._call_seconds.get(size, seconds) * 0.8 + 0.2 * seconds
             for mine, theirs in zip(draft, part):
                 mine += theirs

@@ -278,13 +278,14 @@ class Acceptance:
 _acceptance: "weakref.WeakKeyDictionary[object, dict[tuple, Acceptance]]" = weakref.WeakKeyDictionary()
 
 
-def acceptance(owner: object, params: SamplingParams, drafter: str = "ssm") -> Acceptance:
+def acceptance(owner: object, params: SamplingParams, drafter: str = "ssm", rule: str = "mss") -> Acceptance:
     """A drafter's acceptance record under this sampling (greedy and each temperature / top-k /
-    top-p accept differently), kept as long as its owner lives and shared by its sequences: an
+    top-p accept differently) and, sampled, this verification rule (naive sampling accepts about
+    half what traversal does), kept as long as its owner lives and shared by its sequences: an
     SSM's (``drafter="ssm"``, ``owner`` the SSM's Runtime) or the lookup drafter's (``"lookup"``,
     ``owner`` the LLM's Runtime, or the served lookup model)."""
     by_params = _acceptance.setdefault(owner, {})
-    key = (drafter,) + ((0.0,) if params.greedy else (params.temperature, params.top_k, params.top_p))
+    key = (drafter,) + ((0.0,) if params.greedy else (params.temperature, params.top_k, params.top_p, rule))
     if key not in by_params:
         by_params[key] = Acceptance()
     return by_params[key]

@@ -84,11 +84,15 @@ def verify_greedy(tree: TokenTree, llm_logits: np.ndarray) -> Verdict:
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """The LLM's law after rejecting a draw from q: normalize(max(0, p - q))."""
-    r = np.maximum(p - q, 0.0)
+    r = p - q
+    np.maximum(r, 0.0, out=r)
     total = r.sum()
     # Zero mass means p <= q everywhere, i.e. p == q, where a rejection has probability zero; only
     # rounding gets here, and p itself is then the right law.
-    return r / total if total > 0 else p
+    if not total > 0:
+        return p
+    r /= total
+    return r
 
 
 def conditional_q(q: np.ndarray, drawn: list[int]) -> np.ndarray:
@@ -178,10 +182,13 @@ def verify_traversal(tree: TokenTree, llm_logits: np.ndarray, params: SamplingPa
             verdict = visit(child, a) if a > 0 else None
             if verdict is not None:
                 return Verdict([u] + verdict.path, verdict.bonus)
-            r = np.maximum(alpha * p - q, 0.0)
+            r = alpha * p
+            r -= q
+            np.maximum(r, 0.0, out=r)
             total = r.sum()
             if total > 0:
-                p, alpha = r / total, total / (total + 1.0 - alpha)
+                r /= total
+                p, alpha = r, total / (total + 1.0 - alpha)
             elif alpha < 1.0:   # alpha p <= q everywhere: u can no longer end the path
                 alpha = 0.0
             # (alpha == 1 and no mass: p == q, where a rejection has probability zero; only rounding

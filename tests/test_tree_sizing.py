@@ -135,3 +135,24 @@ def test_acceptance_is_kept_per_ssm_and_sampling(exported):
     assert acceptance(rt, SamplingParams(seed=3)) is greedy              # the seed does not matter
     assert acceptance(rt, SamplingParams(temperature=1.0)) is not greedy
     assert acceptance(OrtRuntime(exported["llama3"]), SamplingParams()) is not greedy
+    sampled = SamplingParams(temperature=1.0)
+    # Sampled, each rule accepts differently (naive about half what traversal does): a record each.
+    assert acceptance(rt, sampled, rule="naive") is not acceptance(rt, sampled)
+    assert acceptance(rt, sampled, rule="mss") is acceptance(rt, sampled)
+    assert acceptance(rt, SamplingParams(), rule="naive") is greedy      # greedy verification has no rule
+
+
+def test_a_speculator_drafts_with_its_rules_record(exported):
+    from specinfer.generate import LocalSpeculator
+
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    params = SamplingParams(temperature=1.0, seed=0)
+    spec = LocalSpeculator(llm, [ssm], None, params, rule="naive", lookup=True)
+    try:
+        spec.start([5, 6, 7])
+        spec.step(8, 16)
+        assert spec.drafters[0]._acceptance is acceptance(ssm, params, "ssm", "naive")
+        assert spec.lookup.record is acceptance(llm, params, "lookup", "naive")
+        assert acceptance(ssm, params, "ssm", "naive") is not acceptance(ssm, params, "ssm", "mss")
+    finally:
+        spec.release()

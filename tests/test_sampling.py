@@ -1,0 +1,83 @@
+"""sampling.py: the shaped distribution and the inverse-CDF draw every rule and incremental
+sampling share."""
+import numpy as np
+import pytest
+
+from specinfer.sampling import SAMPLE_BLOCK, SamplingParams, probabilities, sample
+
+
+class FixedDraw:
+    """An rng whose uniform draw is given."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def one_level(p: np.ndarray, u: float) -> int:
+    """The textbook inverse CDF: the first token whose cumulative mass exceeds u times the total."""
+    c = np.cumsum(p)
+    return int(np.searchsorted(c, u * c[-1], side="right"))
+
+
+@pytest.mark.parametrize("vocab", [7, 2 * SAMPLE_BLOCK, 1000, 8192])
+def test_the_two_level_draw_is_the_inverse_cdf(vocab):
+    rng = np.random.default_rng(vocab)
+    p = rng.random(vocab) ** 4
+    p[rng.random(vocab) < 0.3] = 0.0          # tokens without mass, some whole runs of them
+    p[vocab // 3: vocab // 3 + SAMPLE_BLOCK] = 0.0
+    p /= p.sum()
+    c = np.cumsum(p)
+    # Uniform draws, and draws right on the boundary between two tokens (where a block's sum and
+    # the running sum may round apart): the token one cumulative sum gives, or the draw sat on the
+    # boundary between the two, up to rounding.
+    us = list(rng.random(500)) + [float(x) for x in c[rng.integers(0, vocab, 200)] / c[-1]] + [0.0]
+    for u in us:
+        token = sample(p, FixedDraw(u))
+        assert p[token] > 0
+        expected = one_level(p, u)
+        assert token == expected or abs(c[min(token, expected)] - u * c[-1]) < 1e-12
+
+
+def test_a_draw_of_the_whole_mass_takes_the_last_token_with_mass():
+    p = np.zeros(4 * SAMPLE_BLOCK + 5)
+    p[[3, SAMPLE_BLOCK + 1, 2 * SAMPLE_BLOCK + 7]] = [0.2, 0.5, 0.3]
+    assert sample(p, FixedDraw(np.nextafter(1.0, 0.0))) == 2 * SAMPLE_BLOCK + 7
+    assert sample(p, FixedDraw(0.0)) == 3
+    assert sample(p, FixedDraw(0.2)) == SAMPLE_BLOCK + 1
+
+
+def test_draws_follow_the_distribution():
+    rng = np.random.default_rng(0)
+    p = np.zeros(3000)
+    p[[5, 700, 2999]] = [0.25, 0.5, 0.25]
+    counts = np.bincount([sample(p, rng) for _ in range(4000)], minlength=3000)
+    assert counts.sum() == counts[[5, 700, 2999]].sum()
+    assert abs(counts[700] / 4000 - 0.5) < 0.03
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+                                    SamplingParams(temperature=1.0, top_p=0.8)])
+def test_probabilities_are_the_shaped_softmax(params):
+    logits = np.random.default_rng(1).standard_normal((3, 50)).astype(np.float32) * 3
+    z = logits.astype(np.float64) / params.temperature
+    expected = []
+    for row in z:
+        if params.top_k:
+            row = np.where(row < np.sort(row)[-params.top_k], -np.inf, row)
+        e = np.exp(row - row.max())
+        e /= e.sum()
+        if params.top_p < 1:
+            order = np.argsort(-e)
+            keep = order[:int(np.searchsorted(np.cumsum(e[order]), params.top_p)) + 1]
+            e = np.where(np.isin(np.arange(len(e)), keep), e, 0.0)
+            e /= e.sum()
+        expected.append(e)
+    got = probabilities(logits, params)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, np.array(expected), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(probabilities(logits[1], params), got[1], rtol=1e-15)
+    greedy = probabilities(logits, SamplingParams())
+    assert (greedy.argmax(-1) == logits.argmax(-1)).all() and (greedy.sum(-1) == 1).all()
