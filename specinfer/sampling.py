@@ -42,7 +42,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(out, logits.argmax(-1)[..., None], 1.0, axis=-1)
         return out
     # In place on one float64 copy: at a vocabulary of 8k a pass costs a few microseconds, and a
-    # sampled step shapes every tree node's logits (about a tenth of its Python time).
+    # sampled step shapes every tree node's logits (6% of a chain-of-4 step here, py-spy).
     z = np.array(logits, dtype=np.float64)
     z /= params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
