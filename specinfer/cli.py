@@ -256,9 +256,9 @@ def _sampling_ssms(a) -> list[Path]:
     return _models(a, sampling=True)[1] if a.llm is None and not a.ssm else []
 
 
-# The trees `bench` runs unless given --tree. Under sampling a drafted token is accepted far less
-# often than under greedy decoding, so a short chain is the fixed tree that comes closest to paying
-# there (README, "Benchmark"); the chain of 8 shows what a long one costs.
+# The trees `bench` runs unless given --tree. Greedy: the chain of 8 shows what a long one costs.
+# Under sampling a drafted token is accepted far less often than under greedy decoding, so short
+# chains are the fixed trees that pay there (README, "Benchmark": chains of 3 and 4 at T=0.7).
 GREEDY_BENCH_TREES = [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
 SAMPLED_BENCH_TREES = [DYNAMIC, "1,1,1", "1,1,1,1"]
 

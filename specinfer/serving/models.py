@@ -250,10 +250,9 @@ class DraftModel(_SequenceModel):
         for i, t in enumerate(requests):
             try:
                 op, seq = _op_and_sequence(t, self.key)
-                params = sampling_from(t)
-                if op == "release":
+                if op == "release":   # (its sampling inputs are not read: a release must not fail on them)
                     self.release(seq)
-                elif not self.drafts(params):   # another SSM drafts for this request: nothing to do
+                elif not self.drafts(params := sampling_from(t)):   # another SSM drafts for this request
                     answers[i] = tree_to_tensors(TokenTree(scalar(t, "root", "i", 0)), self.vocab_size)
                     continue
                 elif op == "start":
