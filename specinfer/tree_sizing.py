@@ -168,11 +168,13 @@ class TreeSizer:
             self._sums = self.FORGET * self._sums + np.array([1.0, t, llm_seconds, t * t, t * llm_seconds])
             self._line = self._fit()
 
-    def tokens_per_second(self, reach: Sequence[float], extra_seconds: float = 0.0) -> np.ndarray:
+    def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> np.ndarray:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``, with
-        ``extra_seconds`` more per step outside the LLM."""
+        ``extra_seconds`` more per step outside the LLM (one value, or one per count of nodes: a
+        drafter whose cost follows how deep it drafts)."""
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
-        return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + self.overhead + extra_seconds)
+        outside = np.maximum(self.overhead + np.asarray(extra_seconds, dtype=float), 0.0)
+        return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + outside)
 
     def drafting_more_pays(self, reach: Sequence[float], more: Sequence[float], seconds: float) -> bool:
         """Whether drafting nodes of reach ``more`` (expected), at ``seconds`` more drafting, would
@@ -180,19 +182,19 @@ class TreeSizer:
         longer = np.sort(np.concatenate([reach, more]))[::-1]
         return bool(self.tokens_per_second(longer, seconds).max() > self.tokens_per_second(reach).max())
 
-    def speedup(self, reach: Sequence[float], free: bool = False) -> float:
+    def speedup(self, reach: Sequence[float], free: bool = False, extra_seconds: "float | np.ndarray" = 0.0) -> float:
         """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
-        included (``free``: nodes drafted at no cost, no overhead), against a step that drafts
-        nothing (one LLM token, no SSM)."""
-        rate = self.tokens_per_second(reach, -self.overhead if free else 0.0).max()
+        included (``free``: nodes drafted at no cost, no overhead; ``extra_seconds`` as in
+        :meth:`tokens_per_second`), against a step that drafts nothing (one LLM token, no SSM)."""
+        rate = self.tokens_per_second(reach, -self.overhead if free else extra_seconds).max()
         return float(rate * self.llm_seconds(1))
 
-    def best_count(self, reach: Sequence[float]) -> int:
+    def best_count(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
         a child's reach never exceeds its parent's, so a kept prefix is always a tree)."""
         if not len(reach):
             return 0
-        return int(np.argmax(self.tokens_per_second(reach)))
+        return int(np.argmax(self.tokens_per_second(reach, extra_seconds)))
 
 
 class Acceptance:
@@ -215,7 +217,7 @@ class Acceptance:
 
     def __init__(self):
         bands = (2, len(self.EDGES) + 1)              # rank 0 (chain token), rank 1 (runner-up)
-        self._accepted, self._expected = np.zeros(bands), np.zeros(bands)
+        self._accepted, self._expected, self._seen = np.zeros(bands), np.zeros(bands), np.zeros(bands)
         self.gain: float | None = None                # expected speedup of drafting (moving average)
         self._waited, self._wait = 0, self.RETRY[0]
 
@@ -233,12 +235,21 @@ class Acceptance:
     def observe(self, probability: Sequence[float], rank: Sequence[int], accepted: Sequence[bool]) -> None:
         """One verified step: the SSM probability and rank of each candidate whose parent was
         accepted, and whether it was."""
-        self._accepted *= self.FORGET
-        self._expected *= self.FORGET
+        for record in (self._accepted, self._expected, self._seen):
+            record *= self.FORGET
         p = np.asarray(probability, dtype=float)
         index = (np.asarray(rank, dtype=int), self._band(p))
         np.add.at(self._accepted, index, np.asarray(accepted, dtype=float))
         np.add.at(self._expected, index, p)
+        np.add.at(self._seen, index, 1.0)
+
+    def rate(self, rank: int) -> float:
+        """The chance that verification accepts a candidate of this rank once its parent is,
+        whatever its probability: accepted / seen over the steps seen (old ones forgotten), from
+        the SSM's own word (its mean probability of them) before the first."""
+        seen = self._seen[rank].sum()
+        own = self._expected[rank].sum() / seen if seen else 0.5
+        return float((self._accepted[rank].sum() + self.PRIOR * own) / (seen + self.PRIOR))
 
     def learn(self, tree: TokenTree, proposed: Sequence[tuple[int, int, float]], path_tokens: Sequence[int]) -> None:
         """One verified step of a drafter's tree: ``proposed`` its candidates as (tree node, rank,

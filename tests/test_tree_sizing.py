@@ -156,3 +156,53 @@ def test_a_speculator_drafts_with_its_rules_record(exported):
         assert acceptance(ssm, params, "ssm", "naive") is not acceptance(ssm, params, "ssm", "mss")
     finally:
         spec.release()
+
+
+def test_drafting_seconds_per_node_count_keep_fewer_nodes():
+    """A drafter that drafts as deep as the sizer keeps: each kept node also costs its drafting."""
+    sizer = TreeSizer(StepCost((1, 9), (1.0, 4.0)), overhead=0.5)
+    reach, n = np.cumprod([0.9] * 8), np.arange(9)
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
+    assert np.allclose(sizer.tokens_per_second(reach, 0.3 * n), expected / (sizer.llm_seconds(1 + n) + 0.5 + 0.3 * n))
+    assert sizer.best_count(reach, 0.3 * n) < sizer.best_count(reach)
+    # Drafting shallower saves at most the whole overhead: a step never costs less than its LLM call.
+    assert np.allclose(sizer.tokens_per_second(reach, -5.0), expected / sizer.llm_seconds(1 + n))
+    assert sizer.speedup(reach, extra_seconds=0.3 * n) < sizer.speedup(reach)
+
+
+def test_acceptance_rate_moves_from_the_ssms_word_to_what_verification_accepted():
+    record = Acceptance()
+    assert record.rate(0) == pytest.approx(0.5)   # nothing seen
+    rng = np.random.default_rng(0)
+    for _ in range(100):   # draws the SSM gave 0.2, accepted 70% of the time
+        record.observe([0.2] * 10, [0] * 10, rng.random(10) < 0.7)
+    assert record.rate(0) == pytest.approx(0.7, abs=0.04)
+    assert record.rate(1) == pytest.approx(0.5)   # rank 1 saw nothing
+
+
+@pytest.mark.parametrize("rate, deep", [(0.97, True), (0.05, False)])
+def test_a_sampled_dynamic_chain_draws_as_deep_as_its_acceptance_rate_pays(exported, rate, deep):
+    """Under sampling the dynamic tree's chain is drawn to a depth chosen before drawing, from the
+    draws' acceptance rate, and every draw is verified."""
+    from specinfer.generate import LocalSpeculator
+    from specinfer.speculate import DYNAMIC_DEPTH
+
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    params = SamplingParams(temperature=1.0, seed=0)
+    record = acceptance(ssm, params, "ssm", "mss")
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        record.observe([0.5] * 4, [0] * 4, rng.random(4) < rate)
+    spec = LocalSpeculator(llm, [ssm], None, params)
+    try:
+        spec.start([5, 6, 7])
+        sizes = []
+        for _ in range(6):
+            tree = spec.propose(8, 16)
+            assert tree.depths == list(range(len(tree)))   # a chain, all of its draws kept
+            sizes.append(len(tree) - 1)
+            spec.settle(tree, spec.llm.score(spec.seq, tree.tokens, tree.parents), 0.0)
+        # Nearly always accepted: as deep as the drafter goes; nearly never: a token at most (or none).
+        assert max(sizes) == DYNAMIC_DEPTH if deep else max(sizes) <= 1
+    finally:
+        spec.release()

@@ -500,6 +500,8 @@ def sized_sampled_chains(params, monkeypatch, min_confidence=0.0, draft_vocab=No
         monkeypatch.setattr(runtime_module, "chain_draw", scripted_draw)
         runtime = ContextRuntime(lambda ctx: ssm_logits(0, ctx))
         runtime.draft_vocab = draft_vocab
+        # Draws seen accepted: the rate pays for the whole chain, so a cut has room to act.
+        acceptance(runtime, params).observe([0.5] * 20, [0] * 20, [True] * 20)
         drafter = SSMDrafter(runtime, 0, sizer=TreeSizer(SIZING_COST, overhead=0.5), min_confidence=min_confidence,
                              draw_dynamic=True)
         try:
@@ -526,7 +528,10 @@ def test_sampled_chains_of_the_dynamic_tree_are_exact(params, min_confidence, mo
     trees = sized_sampled_chains(params, monkeypatch, min_confidence)
     assert abs(sum(w for w, _ in trees) - 1.0) < TOL
     assert all(pr.q is not None for _, t in trees for ps in t.proposals[1:] for pr in ps)   # drawn, not top tokens
-    assert len({depth(t) for _, t in trees}) > 1        # the cut depends on what was drawn
+    depths = {depth(t) for _, t in trees}
+    # Without a confidence cut the depth is chosen before drawing (one for every draw, from the
+    # acceptance rate); a cut follows the draws before it.
+    assert len(depths) == 1 if min_confidence == 0 else len(depths) > 1
     gap, agrees = check_exact(trees, params)
     assert agrees and gap < TOL, gap
 
@@ -545,19 +550,20 @@ def test_sampled_chains_from_a_draft_vocabulary_are_exact(params, monkeypatch):
     assert agrees and gap < TOL, gap
 
 
-def test_a_draw_rated_by_its_own_probability_is_caught(monkeypatch):
-    """Negative control: rated by its own probability under q (not its parent's confidence), a
-    draw is kept or cut for its value, and the law is off."""
+def test_a_chain_cut_by_its_own_draws_value_is_caught(monkeypatch):
+    """Negative control: cut where a draw is unlikely under its own q (kept or cut for its value,
+    not by the draws before it), a sampled chain is off the LLM's law."""
     import specinfer.speculate as speculate_module
     from specinfer.speculate import draft_distribution, draft_temperature
 
     params = PARAMS[0]
 
-    def own_probability_reach(self, draft, keep):
+    def cut_by_own_value(self, draft, keep, budget):
         own = [draft_distribution(c, l, draft_temperature(params), V)[x]
                for c, l, x in zip(draft.candidates[:keep], draft.candidate_logits[:keep], draft.tokens[:keep])]
-        return np.cumprod(self._acceptance(own, 0))
-    monkeypatch.setattr(speculate_module.SSMDrafter, "_reach", own_probability_reach)
+        kept = next((i for i, q in enumerate(own) if q < 0.3), keep)
+        return [(i, 0) for i in range(kept)]
+    monkeypatch.setattr(speculate_module.SSMDrafter, "_candidates", cut_by_own_value)
     gap, agrees = check_exact(sized_sampled_chains(params, monkeypatch), params)
     assert agrees and gap > 1e-3, gap
 
