@@ -39,9 +39,10 @@ DYNAMIC = "dynamic"   # the tree spec of the dynamic tree (tree_sizing.py)
 NONE = "none"         # the tree spec of no speculation: incremental decoding
 DYNAMIC_DEPTH = 8     # the most tokens an SSM drafts for it: one call of the exported drafter
 # A dynamic tree's first greedy drafter call asks for this many chain tokens more than the sizer
-# has been keeping (a moving average; sampled draws are drawn as deep as they are kept): a drafter call costs about linearly in its tokens (each an unrolled
-# step of the graph), so drafting 8 where 2 are kept would pay for 6 unread steps; a chain that
-# would pay for more goes on in another call (SSMDrafter._go_on) and raises the average.
+# has been keeping (a moving average; sampled draws are drawn as deep as they are kept): a drafter
+# call costs about linearly in its tokens (each an unrolled step of the graph), so drafting 8 where
+# 2 are kept would pay for 6 unread steps; a chain that would pay for more goes on in another call
+# (SSMDrafter._go_on) and raises the average.
 DEPTH_MARGIN = 2
 # An SSM drafts only into a tree with room for two draft nodes: its call costs about what a longer
 # draft costs (a batch that shares out few nodes leaves its requests the lookup's free drafts).
@@ -319,9 +320,9 @@ class SSMDrafter:
         carrying that distribution. With a sizer the nodes kept are the likeliest to be accepted,
         as many as pay for their verification, and drafting goes on while another chunk is
         expected to pay for itself; sampled, the chain is drawn as deep as its draws' acceptance
-        rate pays for (:meth:`_drawn_depth`), all of it kept. Draft token i sits at pending index ``len(chain) + i``; the
-        last one is not scored (an engine may score it, but we do not count on it: if accepted, it
-        is next step's catch-up), nor are runner-ups."""
+        rate pays for (:meth:`_drawn_depth`), all of it kept. Draft token i sits at pending index
+        ``len(chain) + i``; the last one is not scored (an engine may score it, but we do not count
+        on it: if accepted, it is next step's catch-up), nor are runner-ups."""
         self._slot[0] = len(chain) - 1
         if depth < 1:
             self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it

@@ -245,8 +245,8 @@ class Acceptance:
 
     def rate(self, rank: int) -> float:
         """The chance that verification accepts a candidate of this rank once its parent is,
-        whatever its probability: accepted / seen over the steps seen (old ones forgotten), from
-        the SSM's own word (its mean probability of them) before the first."""
+        whatever its probability: accepted / seen over the steps seen (old ones forgotten), the
+        SSM's own word (its mean probability of them; an even chance before any) as the prior."""
         seen = self._seen[rank].sum()
         own = self._expected[rank].sum() / seen if seen else 0.5
         return float((self._accepted[rank].sum() + self.PRIOR * own) / (seen + self.PRIOR))
