@@ -410,13 +410,12 @@ class SSMDrafter:
         return max(1, self.sizer.best_count(reach, drafting))
 
     def _reach(self, draft: ChainDraft, keep: int) -> np.ndarray:
-        """The chance that verification accepts each node, by the SSM's probabilities as the
-        acceptance record rates them: the first ``keep`` chain tokens, then their runner-ups (chain
-        token i and runner-up i are both children of chain token i - 1)."""
+        """The chance that verification accepts each node of a chain of top tokens, by the SSM's
+        probabilities as the acceptance record rates them: the first ``keep`` chain tokens, then
+        their runner-ups (chain token i and runner-up i are both children of chain token i - 1).
+        Sampled chains are not rated node by node (:meth:`_drawn_depth`)."""
         first = self._acceptance(draft.probability[:keep], 0)
         reach = np.cumprod(first)
-        if not draft.runner_up:   # a sampled chain: no runner-ups
-            return reach
         above = np.concatenate([[1.0], reach[:-1]])
         # A runner-up is never rated above its sibling, which verification must meet first (rank 0).
         second = np.minimum(self._acceptance(draft.runner_up_probability[:keep], 1), first)
