@@ -12,6 +12,7 @@ many sequences' drafts side by side and makes each SSM's chains for all of them 
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Generator, Hashable, Sequence
 
@@ -214,6 +215,7 @@ class SSMDrafter:
         # (tree node, rank, SSM probability), for the record to learn from at commit.
         self._acceptance: Acceptance | None = None
         self._proposed: list[tuple[int, int, float]] = []
+        self._reached: tuple[int, int, np.ndarray] | None = None   # _reach's last answer
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache.
@@ -323,7 +325,7 @@ class SSMDrafter:
         rate pays for (:meth:`_drawn_depth`), all of it kept. Draft token i sits at pending index
         ``len(chain) + i``; the last one is not scored (an engine may score it, but we do not count
         on it: if accepted, it is next step's catch-up), nor are runner-ups."""
-        self._slot[0] = len(chain) - 1
+        self._slot[0], self._reached = len(chain) - 1, None
         if depth < 1:
             self.runtime.score(self.seq, chain)   # the chain's KV still goes in: commit keeps it
             return tree
@@ -381,7 +383,7 @@ class SSMDrafter:
         reach = self._reach(draft, len(draft.tokens))
         if len(reach) + 1 >= budget:
             return False
-        likely = float(np.exp(np.mean(np.log(np.maximum(chunk.probability, 1e-9)))))
+        likely = math.exp(sum(math.log(max(p, 1e-9)) for p in chunk.probability) / len(chunk.probability))
         more = reach[len(draft.tokens) - 1] * likely ** np.arange(1, len(chunk.tokens) + 1)
         return self.sizer.drafting_more_pays(np.sort(reach)[::-1], more, self._call_seconds[len(chunk.tokens)])
 
@@ -406,20 +408,25 @@ class SSMDrafter:
         each depth (the sizer's LLM line, the drafter's seconds per token), fixed before drawing."""
         reach = self._acceptance.rate(0) ** np.arange(1, most + 1)
         drafting = self._token_seconds() * (np.arange(most + 1) - self._kept)
-        self._acceptance.expect(self.sizer.speedup(reach, extra_seconds=drafting))
-        return max(1, self.sizer.best_count(reach, drafting))
+        count, speedup = self.sizer.best(reach, drafting)
+        self._acceptance.expect(speedup)
+        return max(1, count)
 
     def _reach(self, draft: ChainDraft, keep: int) -> np.ndarray:
         """The chance that verification accepts each node of a chain of top tokens, by the SSM's
         probabilities as the acceptance record rates them: the first ``keep`` chain tokens, then
         their runner-ups (chain token i and runner-up i are both children of chain token i - 1).
-        Sampled chains are not rated node by node (:meth:`_drawn_depth`)."""
+        Sampled chains are not rated node by node (:meth:`_drawn_depth`). Kept for the draft's
+        last length and ``keep``, as :meth:`_go_on` and then :meth:`_candidates` ask the same."""
+        if self._reached is not None and self._reached[:2] == (len(draft.tokens), keep):
+            return self._reached[2]
         first = self._acceptance(draft.probability[:keep], 0)
         reach = np.cumprod(first)
         above = np.concatenate([[1.0], reach[:-1]])
         # A runner-up is never rated above its sibling, which verification must meet first (rank 0).
         second = np.minimum(self._acceptance(draft.runner_up_probability[:keep], 1), first)
-        return np.concatenate([reach, above * second])
+        self._reached = (len(draft.tokens), keep, np.concatenate([reach, above * second]))
+        return self._reached[2]
 
     def _candidates(self, draft: ChainDraft, keep: int, budget: int) -> list[tuple[int, int]]:
         """The draft nodes to verify, as (depth index, rank): the chain's first ``keep`` tokens
@@ -442,8 +449,9 @@ class SSMDrafter:
         # tokens' worth: 1, 4 and 8 sampled tokens 112, 244 and 430 us here, alone).
         chain_tokens = np.concatenate([[0], np.cumsum([rank == 0 for _, _, rank in candidates])])
         drafting = self._token_seconds() * (chain_tokens - self._kept)
-        self._acceptance.expect(self.sizer.speedup(ranked, extra_seconds=drafting))
-        kept = candidates[:min(budget - 1, self.sizer.best_count(ranked, drafting))]
+        count, speedup = self.sizer.best(ranked, drafting)
+        self._acceptance.expect(speedup)
+        kept = candidates[:min(budget - 1, count)]
         return [(i, rank) for _, i, rank in kept]
 
     @property

@@ -172,9 +172,17 @@ class TreeSizer:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``, with
         ``extra_seconds`` more per step outside the LLM (one value, or one per count of nodes: a
         drafter whose cost follows how deep it drafts)."""
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
-        outside = np.maximum(self.overhead + np.asarray(extra_seconds, dtype=float), 0.0)
-        return expected / (self.llm_seconds(1 + np.arange(len(reach) + 1)) + outside)
+        # Every step runs this on a few nodes, right after the LLM's call has flushed the caches:
+        # in-place arithmetic, as few numpy calls as it takes.
+        reach = np.asarray(reach, dtype=float)
+        expected = np.empty(len(reach) + 1)
+        expected[0] = 0.0
+        np.cumsum(reach, out=expected[1:])
+        expected += 1.0
+        intercept, slope = self._line
+        seconds = np.maximum(intercept + slope * np.arange(1.0, len(reach) + 2.0), 1e-6)
+        seconds += np.maximum(self.overhead + np.asarray(extra_seconds, dtype=float), 0.0)
+        return expected / seconds
 
     def drafting_more_pays(self, reach: Sequence[float], more: Sequence[float], seconds: float) -> bool:
         """Whether drafting nodes of reach ``more`` (expected), at ``seconds`` more drafting, would
@@ -188,6 +196,12 @@ class TreeSizer:
         :meth:`tokens_per_second`), against a step that drafts nothing (one LLM token, no SSM)."""
         rate = self.tokens_per_second(reach, -self.overhead if free else extra_seconds).max()
         return float(rate * self.llm_seconds(1))
+
+    def best(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> tuple[int, float]:
+        """:meth:`best_count` and :meth:`speedup` of the same nodes, from one evaluation."""
+        rate = self.tokens_per_second(reach, extra_seconds)
+        count = int(np.argmax(rate))
+        return count, float(rate[count] * self.llm_seconds(1))
 
     def best_count(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:

@@ -20,9 +20,15 @@ def test_best_count_maximises_expected_tokens_per_second(seed):
     reach = np.cumprod(rng.uniform(0.2, 1.0, 12))
     sizer = TreeSizer(cost, overhead=rng.uniform(0.0, 2.0))
     slope, intercept = np.polyfit(sizes, cost.seconds, 1)     # the sizer's line through the table
-    best, rates = brute_force_best(lambda t: intercept + max(slope, 0) * t, sizer.overhead, reach)
+    line = lambda t: intercept + max(slope, 0) * t
+    best, rates = brute_force_best(line, sizer.overhead, reach)
     assert sizer.best_count(reach) == best
     assert np.allclose(sizer.tokens_per_second(reach), rates)
+    # best(): that count and its speedup over a one-token step, with drafting seconds per count.
+    extra = rng.uniform(0.0, 0.5, len(reach) + 1)
+    rates = [(1 + sum(reach[:k])) / (line(1 + k) + sizer.overhead + extra[k]) for k in range(len(reach) + 1)]
+    count, speedup = sizer.best(reach, extra)
+    assert count == int(np.argmax(rates)) and speedup == pytest.approx(max(rates) * line(1))
 
 
 def test_best_count_follows_cost_and_confidence():
