@@ -206,9 +206,7 @@ class TreeSizer:
     def best_count(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
         a child's reach never exceeds its parent's, so a kept prefix is always a tree)."""
-        if not len(reach):
-            return 0
-        return int(np.argmax(self.tokens_per_second(reach, extra_seconds)))
+        return self.best(reach, extra_seconds)[0]
 
 
 class Acceptance:
