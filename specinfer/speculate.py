@@ -445,8 +445,7 @@ class SSMDrafter:
         ranked = [c[0] for c in candidates]
         # The step's overhead was measured drafting about as deep as the sizer has been keeping:
         # keeping more chain tokens (or fewer) soon drafts that much deeper (or shallower), each
-        # drafted token costing about its share of a call (a call of t tokens costs about t + 1
-        # tokens' worth: 1, 4 and 8 sampled tokens 112, 244 and 430 us here, alone).
+        # drafted token costing about its share of a call (_token_seconds).
         chain_tokens = np.concatenate([[0], np.cumsum([rank == 0 for _, _, rank in candidates])])
         drafting = self._token_seconds() * (chain_tokens - self._kept)
         count, speedup = self.sizer.best(ranked, drafting)

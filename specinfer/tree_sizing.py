@@ -194,8 +194,7 @@ class TreeSizer:
         """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
         included (``free``: nodes drafted at no cost, no overhead; ``extra_seconds`` as in
         :meth:`tokens_per_second`), against a step that drafts nothing (one LLM token, no SSM)."""
-        rate = self.tokens_per_second(reach, -self.overhead if free else extra_seconds).max()
-        return float(rate * self.llm_seconds(1))
+        return self.best(reach, -self.overhead if free else extra_seconds)[1]
 
     def best(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> tuple[int, float]:
         """:meth:`best_count` and :meth:`speedup` of the same nodes, from one evaluation."""
