@@ -167,19 +167,23 @@ def accept(rng: np.random.Generator, probability: float) -> bool:
     return rng.random() < probability
 
 
+SHAPE_AT_ONCE = 1 << 20   # logits a traversal shapes in one call at most (8 MB of float64)
+
+
 def verify_traversal(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
                      rng: np.random.Generator) -> Verdict:
     """Traversal verification (Weng et al., NeurIPS 2025): the tree is verified bottom-up with
     sequence-level acceptance; see the module docstring."""
     vocab = llm_logits.shape[1]
-    # Every node is shaped in one call: traversal enters each node whose parent's weight for it is
-    # not zero, so on a chain all of them (5 rows of a chain of 4: 181 against 200 us a step here).
-    shaped = probabilities(llm_logits, params)
+    # The nodes are shaped in one call where that stays small: traversal enters each node whose
+    # parent's weight for it is not zero, so on a chain all of them (5 rows of a chain of 4: 181
+    # against 200 us a step here); a large tree of a large vocabulary is shaped row by row.
+    shaped = probabilities(llm_logits, params) if llm_logits.size <= SHAPE_AT_ONCE else None
 
     def visit(u: int, alpha: float) -> Verdict | None:
         """u entered with acceptance weight ``alpha``: the verdict if a path through u is accepted,
         None if u is rejected (then its parent goes on with its residual)."""
-        p = shaped[u]
+        p = shaped[u] if shaped is not None else probabilities(llm_logits[u], params)
         for child, x, q in _candidates(tree, u, vocab):
             a = min(1.0, alpha * p[x] / q[x])
             verdict = visit(child, a) if a > 0 else None

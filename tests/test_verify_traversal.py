@@ -97,6 +97,19 @@ def test_sampled_trees_are_exact_and_accept_at_least_as_mss(make, params):
     assert accepted >= mss_accepted(trees, params) - TOL
 
 
+@pytest.mark.parametrize("make,params", SAMPLED[:3], ids=lambda x: getattr(x, "__name__", str(x)))
+def test_a_tree_shaped_row_by_row_has_the_same_law(monkeypatch, make, params):
+    """A large tree of a large vocabulary is shaped one row at a time (``SHAPE_AT_ONCE``), a small
+    one in one call: the verdicts' law is the same either way."""
+    trees = [t for _, t in make(params)]
+    at_once = [traversal_law(t, params) for t in trees]
+    monkeypatch.setattr(verify_module, "SHAPE_AT_ONCE", 0)
+    for tree, law in zip(trees, at_once):
+        row_by_row = traversal_law(tree, params)
+        assert row_by_row.keys() == law.keys()
+        assert all(abs(row_by_row[k] - law[k]) < 1e-12 for k in law)
+
+
 def test_on_a_sampled_chain_traversal_accepts_more():
     """Block verification's gain: on a chain drafted by sampling, strictly more than MSS."""
     trees = sampled_chain(PARAMS[0])
