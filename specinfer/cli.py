@@ -11,6 +11,7 @@ from .engines.loader import ENGINES
 from .export.draft_vocab import DRAFT_VOCAB_SIZE
 from .scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, parse_bytes
 from .serving.triton_glue import STREAM_INTERVAL
+from .serving.repository import DEFAULT_LAYOUT, LAYOUTS
 from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
 from .errors import SpecInferError
 from .verify import SAMPLING_RULES
@@ -390,8 +391,8 @@ def _add_batching(p, tree_tokens: int | None) -> None:
                    help="KV cache memory the batched requests may hold, e.g. 2GiB (default: half the memory "
                         "available when the server loads); a request that does not fit waits or is refused")
     p.add_argument("--batch-tree-tokens", type=_positive_int, default=tree_tokens,
-                   help=f"tree nodes the trees of one batch share in ensemble_fused (a request alone: its "
-                        f"whole --budget; default {BATCH_TREE_TOKENS}); ensemble keeps whole trees")
+                   help=f"tree nodes the trees of one batch share in the fused orchestrator (a request alone: "
+                        f"its whole --budget; default {BATCH_TREE_TOKENS}); the ensemble-mode one keeps whole trees")
     p.add_argument("--prefill-chunk-tokens", type=_positive_int, default=None,
                    help=f"prompt tokens a batch takes while other requests step: a longer prompt goes in by "
                         f"chunks, so that it does not hold their next tokens (default {PREFILL_CHUNK_TOKENS})")
@@ -401,6 +402,14 @@ def _add_batching(p, tree_tokens: int | None) -> None:
                         f"responses (default {STREAM_INTERVAL}; 0: a response every step)")
 
 
+def _add_layout(p, default: str | None) -> None:
+    p.add_argument("--layout", choices=LAYOUTS, default=default,
+                   help=f"which models serve: 'fused' (ensemble holds every model in its one process, all requests "
+                        f"batched by one scheduler; no ensemble_sync), 'ensemble' (ensemble and ensemble_sync call one Triton model "
+                        f"per step part: ssm_<i>, lookup, tree_builder, llm) or 'both' (the fused one as "
+                        f"ensemble_fused, with a second copy of every model) (default {DEFAULT_LAYOUT})")
+
+
 def cmd_repo(a) -> None:
     from .serving.repository import write_repository
 
@@ -408,7 +417,8 @@ def cmd_repo(a) -> None:
                             budget=a.budget, threads=a.threads,
                             lookup=not a.no_lookup, kv_budget=a.kv_budget, batch_tree_tokens=a.batch_tree_tokens,
                             prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
-                            stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval)
+                            stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval,
+                            layout=a.layout)
     print(f"wrote {repo} (models: {', '.join(sorted(p.name for p in repo.iterdir() if p.is_dir()))})")
 
 
@@ -440,10 +450,12 @@ def cmd_serve(a) -> None:
                                     kv_budget=a.kv_budget,
                                     batch_tree_tokens=a.batch_tree_tokens or BATCH_TREE_TOKENS,
                                     prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
-                                    stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval)
-        elif any(v is not None for v in (a.kv_budget, a.batch_tree_tokens, a.prefill_chunk_tokens, a.stream_interval)):
-            raise SpecInferError("--kv-budget, --batch-tree-tokens, --prefill-chunk-tokens and --stream-interval belong "
-                                 "to the repository: "
+                                    stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval,
+                                    layout=a.layout or DEFAULT_LAYOUT)
+        elif any(v is not None for v in (a.kv_budget, a.batch_tree_tokens, a.prefill_chunk_tokens, a.stream_interval,
+                                         a.layout)):
+            raise SpecInferError("--kv-budget, --batch-tree-tokens, --prefill-chunk-tokens, --stream-interval and "
+                                 "--layout belong to the repository: "
                                  "give them to `specinfer repo` (or serve the embedded models)")
         server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file,
                               gateway=not a.no_gateway, max_request_bytes=a.max_request_bytes, admin_key=a.admin_key,
@@ -612,6 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a pool of its own: one thread for a small SSM, every core for the LLM)")
     _add_lookup(p)
     _add_batching(p, BATCH_TREE_TOKENS)
+    _add_layout(p, DEFAULT_LAYOUT)
     p.add_argument("-o", "--output", required=True, help="the repository folder to write")
     p.set_defaults(func=cmd_repo)
 
@@ -637,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gateway", action="store_true", help="clients reach tritonserver's own HTTP port (which "
                                                              "a large form-urlencoded body crashes)")
     _add_batching(p, None)
+    _add_layout(p, None)
     p.set_defaults(func=cmd_serve)
 
     add_client_parser(sub, _HelpWithDefaults)

@@ -149,7 +149,7 @@ def _session_server(tmp_path_factory, served_pair):
     from specinfer.serving.server import TritonServer
 
     root = tmp_path_factory.mktemp("triton")
-    repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1")
+    repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1", layout="both")
     log = root / "server.log"
     server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=log)
     try:

@@ -246,21 +246,23 @@ def test_two_servers_start_side_by_side_and_both_answer(two_serves):
 
 def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_serves):
     """`specinfer serve` on the embedded models: ssm_0 (SSM 1) drafts for greedy requests, ssm_1 (the
-    distilled SSM 1) for sampled ones, in the ensemble and in the fused orchestrator's scheduler."""
+    distilled SSM 1) for sampled ones, both in the one process of the default (fused) layout's
+    ensemble, which is the only model that loads them: one Python stub under tritonserver."""
     from specinfer.engines.loader import onnx_folder
     from specinfer.models import embedded_sampling_ssms, embedded_ssms
     serve = two_serves[0]
-    configs = {m: (serve.repository() / m / "config.pbtxt").read_text() for m in ("ssm_0", "ssm_1", "ensemble_fused")}
-    assert '"drafts_for" value: { string_value: "greedy" }' in configs["ssm_0"]
-    assert '"drafts_for" value: { string_value: "sampled" }' in configs["ssm_1"]
-    assert str(onnx_folder(embedded_ssms()[0]).resolve()) in configs["ssm_0"]
-    assert str(onnx_folder(embedded_sampling_ssms()[0]).resolve()) in configs["ensemble_fused"]
-    for model in ("ensemble", "ensemble_fused"):
-        answers = [generate(serve, f"/v2/models/{model}/generate", text_input="def f(x):", max_tokens=16,
-                            temperature=0.7, random_seed=1, tree=tree) for tree in ("1,1,1", "1,1,1", "dynamic")]
-        assert all(status == 200 for status, _ in answers), answers
-        texts = [json.loads(text)["text_output"] for _, text in answers]
-        assert all(texts) and (model == "ensemble_fused" or texts[0] == texts[1]), (model, texts)
+    assert sorted(p.name for p in serve.repository().iterdir() if p.is_dir()) == ["ensemble"]
+    config = (serve.repository() / "ensemble" / "config.pbtxt").read_text()
+    assert f'"ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_ssms()[0]).resolve()}" }}' in config
+    assert (f'"sampling_ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_sampling_ssms()[0]).resolve()}" }}'
+            in config)
+    stubs = [c for c in Path(f"/proc/{serve.tritonserver_pid()}/task/{serve.tritonserver_pid()}/children").read_text().split()
+             if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
+    assert len(stubs) == 1, stubs
+    answers = [generate(serve, "/v2/models/ensemble/generate", text_input="def f(x):", max_tokens=16,
+                        temperature=0.7, random_seed=1, tree=tree) for tree in ("1,1,1", "1,1,1", "dynamic")]
+    assert all(status == 200 for status, _ in answers), answers
+    assert all(json.loads(text)["text_output"] for _, text in answers), answers
 
 
 def test_sigterm_stops_within_the_grace_period_and_leaves_nothing(two_serves):
@@ -293,6 +295,13 @@ def test_a_dead_tritonserver_ends_serve_with_one_clear_line(two_serves):
 
 
 # -- without a server ---------------------------------------------------------------------------------
+
+def test_serve_refuses_repository_options_for_a_written_repository(tmp_path):
+    """A repository's layout (as its budgets) is chosen when it is written: `serve REPO --layout` says so."""
+    r = subprocess.run([sys.executable, "-m", "specinfer.cli", "serve", str(tmp_path), "--layout", "both"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--layout belong to the repository" in r.stderr, r.stderr
+
 
 def test_tritonserver_command_line(tmp_path, monkeypatch):
     from specinfer.serving.server import Installation, TritonServer
@@ -345,8 +354,9 @@ def test_the_backend_folder_is_made_once_when_servers_start_together(tmp_path, m
 
 
 def test_kv_budget_under_load_admits_what_fits_and_refuses_what_never_can(served_pair, tmp_path):
-    """ensemble_fused with room for two requests' KV: eight concurrent requests all finish, each
-    exactly as alone (the others waited for memory); one that could never fit gets a clear 400."""
+    """The fused orchestrator (the default layout's ensemble) with room for two requests' KV: eight
+    concurrent requests all finish, each exactly as alone (the others waited for memory); one that
+    could never fit gets a clear 400."""
     from concurrent.futures import ThreadPoolExecutor
 
     from specinfer.engines.onnxruntime import OrtRuntime
@@ -356,11 +366,11 @@ def test_kv_budget_under_load_admits_what_fits_and_refuses_what_never_can(served
     need = (8 + 1 + 24 + 64) * per_token          # a prompt of up to 8 tokens, 24 new ones, one tree
     repo = write_repository(served_pair["llm"], served_pair["ssms"], tmp_path / "repo", tree="1,1,3,1",
                             kv_budget=2 * need + need // 2, prefill_chunk_tokens=3)   # prompts by chunks too
-    assert 'key: "prefill_chunk_tokens" value: { string_value: "3" }' in (repo / "ensemble_fused" / "config.pbtxt").read_text()
+    assert 'key: "prefill_chunk_tokens" value: { string_value: "3" }' in (repo / "ensemble" / "config.pbtxt").read_text()
     serve = Serve(tmp_path, "budget", str(repo))
     try:
         serve.wait_ready()
-        path = "/v2/models/ensemble_fused/generate"
+        path = "/v2/models/ensemble/generate"   # the default layout's: the fused orchestrator
         prompts = [f"def f{i}(x):" for i in range(8)]
         alone = [generate(serve, path, text_input=p, max_tokens=24) for p in prompts[:2]]
         with ThreadPoolExecutor(8) as pool:

@@ -1,5 +1,7 @@
 """The serving layer without a server: request validation, trees as tensors, and the whole
 orchestration over in-process model objects wired as the spec_step ensemble wires them."""
+import json
+import os
 import re
 import threading
 import time
@@ -365,8 +367,8 @@ def test_each_ssm_model_drafts_only_for_its_kind_of_request(models):
 def test_the_repository_names_the_requests_each_ssm_drafts_for(served_pair, tmp_path):
     close, far = served_pair["ssms"]
     repo = write_repository(served_pair["llm"], [close], tmp_path / "repo", tree="1,1", sampling_ssms=[far],
-                            lookup=False)
-    alone = write_repository(served_pair["llm"], [close], tmp_path / "alone", tree="1,1", lookup=False)
+                            lookup=False, layout="both")
+    alone = write_repository(served_pair["llm"], [close], tmp_path / "alone", tree="1,1", lookup=False, layout="both")
     param = lambda repo, model, key: re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)" }}',
                                                (repo / model / "config.pbtxt").read_text()).group(1)
     assert [param(repo, m, "drafts_for") for m in ("ssm_0", "ssm_1")] == ["greedy", "sampled"]
@@ -377,6 +379,45 @@ def test_the_repository_names_the_requests_each_ssm_drafts_for(served_pair, tmp_
         assert param(alone, name, "sampling_ssm_dirs") == ""
     assert '"ssm_1"' in (repo / "spec_step" / "config.pbtxt").read_text()   # the ensemble steps both
     assert param(alone, "ssm_0", "drafts_for") == "all" and not (alone / "ssm_1").exists()
+
+
+def test_each_layout_loads_each_model_in_one_model_only(served_pair, tmp_path):
+    """The default layout is one fused ``ensemble`` (every model in its process); "ensemble" is the
+    Triton-native composition without a fused copy; "both" has the two. Which folders each model
+    loads is read from its config: an ONNX folder appears in one loading model only, except in "both"."""
+    close, far = served_pair["ssms"]
+    param = lambda repo, model, key: re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)" }}',
+                                               (repo / model / "config.pbtxt").read_text()).group(1)
+
+    def loaded(repo):   # ONNX folder -> the models that load it
+        where = {}
+        for model in sorted(p.name for p in repo.iterdir() if p.is_dir()):
+            config = (repo / model / "config.pbtxt").read_text()
+            if 'key: "mode"' in config:   # an orchestrator: only a fused one loads models
+                dirs = ([param(repo, model, "llm_dir")] + param(repo, model, "ssm_dirs").split(os.pathsep)
+                        + param(repo, model, "sampling_ssm_dirs").split(os.pathsep)) if param(repo, model, "mode") == "fused" else []
+            else:
+                dirs = [param(repo, model, "model_dir")] if 'key: "model_dir"' in config else []
+            for d in filter(None, dirs):
+                where.setdefault(d, []).append(model)
+        return where
+
+    models = {}
+    for layout in ("fused", "ensemble", "both"):
+        repo = write_repository(served_pair["llm"], [close], tmp_path / layout, tree="dynamic", sampling_ssms=[far],
+                                layout=layout)
+        models[layout] = sorted(p.name for p in repo.iterdir() if p.is_dir())
+        assert json.loads((repo / "specinfer_repository.json").read_text())["layout"] == layout
+        where = loaded(repo)
+        assert sorted(where) == sorted(str(d.resolve()) for d in (served_pair["llm"], close, far)), where
+        assert all(len(m) == (2 if layout == "both" else 1) for m in where.values()), (layout, where)
+    assert models["fused"] == ["ensemble"]
+    assert models["ensemble"] == ["ensemble", "ensemble_sync", "llm", "lookup", "spec_step", "ssm_0", "ssm_1",
+                                  "tree_builder"]
+    assert models["both"] == sorted(models["ensemble"] + ["ensemble_fused"])
+    assert not (tmp_path / "fused" / "step_cost.json").exists()   # the fused model measures its own at load
+    with pytest.raises(SpecInferError, match="unknown repository layout 'fast'"):
+        write_repository(served_pair["llm"], [close], tmp_path / "bad", layout="fast")
 
 
 # --- sampling through the served models keeps the LLM's distribution ------------------------------

@@ -28,10 +28,27 @@ TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32
                ("proposal_rank", "TYPE_INT32", "-1"), ("proposal_q_row", "TYPE_INT32", "-1"),
                ("proposal_q", "TYPE_FP32", "-1, -1"))
 SSM_INPUTS = ("op", "sequence_id", "caller_key", "tokens", "root", "budget", "tree", "temperature", "top_k", "top_p", "random_seed")
-# The client-facing orchestrators, (name, mode, decoupled): the decoupled pair streams and answers
-# /generate; the "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled models.
-ORCHESTRATORS = (("ensemble", "ensemble", True), ("ensemble_fused", "fused", True), ("ensemble_sync", "ensemble", False))
+# The client-facing orchestrators of each layout, (name, mode, decoupled). Decoupled ones stream and
+# answer /generate; the "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled
+# models. Mode "fused" runs the models in its own process; mode "ensemble" calls the llm, ssm_<i>,
+# lookup and tree_builder models, each its own process. Each layout loads each model in one process
+# only: the models of Triton's Python backend cannot share one, so a fused orchestrator beside the
+# ensemble's models holds a second copy of every model ("both", for comparing the two).
+ORCHESTRATORS = {
+    "fused": (("ensemble", "fused", True),),
+    "ensemble": (("ensemble", "ensemble", True), ("ensemble_sync", "ensemble", False)),
+    "both": (("ensemble", "ensemble", True), ("ensemble_fused", "fused", True), ("ensemble_sync", "ensemble", False)),
+}
+LAYOUTS = tuple(ORCHESTRATORS)
+DEFAULT_LAYOUT = "fused"
+MANIFEST = "specinfer_repository.json"
 IDLE_TIMEOUT = 120.0   # seconds after which llm and ssm_<i> reclaim a sequence no one steps
+
+
+def is_repository(path: str | Path) -> bool:
+    """Whether ``path`` is a model repository that `specinfer repo` wrote (any layout)."""
+    path = Path(path)
+    return (path / MANIFEST).is_file() or (path / "spec_step").is_dir()   # spec_step: before the manifest
 
 
 def templates_dir() -> Path:
@@ -74,7 +91,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
                      batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-                     stream_interval: float = STREAM_INTERVAL) -> Path:
+                     stream_interval: float = STREAM_INTERVAL, layout: str = DEFAULT_LAYOUT) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
     or widths; a request may ask for another). ``sampling_ssms``: SSMs that draft for sampled
     requests instead of ``ssms`` (e.g. a distilled one); they follow ``ssms`` as ``ssm_<i>``
@@ -88,12 +105,20 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
     ``prefill_chunk_tokens``: prompt tokens a batch takes while other requests step;
     ``stream_interval``: seconds between a streamed request's responses at least (what it generated
-    meanwhile goes out as one response; 0: a response every step)."""
+    meanwhile goes out as one response; 0: a response every step).
+    ``layout``: which models serve (``ORCHESTRATORS``). "fused" (the default): ``ensemble`` runs
+    every model in its process, every request's steps batched by one scheduler; no ``ensemble_sync``
+    (KServe infer, which Triton refuses for decoupled models). "ensemble": ``ensemble`` and
+    ``ensemble_sync`` call one model per process (``spec_step``: ``ssm_<i>`` and ``lookup`` ->
+    ``tree_builder`` -> ``llm``). "both": the two, the fused one as ``ensemble_fused``, with a
+    second copy of every model."""
+    if layout not in ORCHESTRATORS:
+        raise SpecInferError(f"unknown repository layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     if stream_interval < 0:
         raise SpecInferError(f"the stream interval must be >= 0 seconds, got {stream_interval}")
     dynamic = parse_tree(tree) is None
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not (out / "spec_step").is_dir():
+    if out.exists() and any(out.iterdir()) and not is_repository(out):
         raise SpecInferError(f"{out} exists and is not a specinfer model repository")
     llm_dir = onnx_folder(llm).resolve()
     ssm_dirs = [onnx_folder(s).resolve() for s in [*ssms, *sampling_ssms]]
@@ -108,11 +133,39 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
     # Which requests each ssm_<i> drafts for: all of them, unless some SSMs are for sampled ones.
     drafts_for = (["greedy"] * len(ssms) + ["sampled"] * len(sampling_ssms)) if sampling_ssms else ["all"] * len(ssms)
-    cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ssm_dirs or lookup else None
-    lookup = lookup and cost is not None
+    # The ensemble's models (llm, ssm_<i>, lookup, tree_builder, spec_step): the drafters' dynamic
+    # tree needs the LLM's cost table, measured here; a fused orchestrator measures its own at load.
+    ensemble_models = any(mode == "ensemble" for _, mode, _ in ORCHESTRATORS[layout])
+    cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ensemble_models and (ssm_dirs or lookup) else None
+    lookup = lookup and (cost is not None or not ensemble_models)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    common = dict(engine=engine, threads=threads)
+    if ensemble_models:
+        _write_ensemble_models(out, llm_dir, ssm_dirs, drafts_for, lookup, cost, tree, vocab, idle_timeout, kv_budget,
+                               prefill_chunk_tokens, common)
+    tokenizer_dir = onnx_folder(llm).resolve()
+    for name, mode, decoupled in ORCHESTRATORS[layout]:
+        _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
+               ssm_dirs=os.pathsep.join(map(str, ssm_dirs[:len(ssms)])),
+               sampling_ssm_dirs=os.pathsep.join(map(str, ssm_dirs[len(ssms):])), tokenizer_dir=tokenizer_dir,
+               tree=tree, budget=budget,
+               lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
+               batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
+               stream_interval=stream_interval, **common)
+    (out / MANIFEST).write_text(json.dumps(
+        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs[:len(ssms)]],
+         "sampling_ssms": [str(d) for d in ssm_dirs[len(ssms):]], "tree": tree, "engine": engine, "lookup": lookup,
+         "layout": layout}, indent=2))
+    return out
+
+
+def _write_ensemble_models(out: Path, llm_dir: Path, ssm_dirs: list[Path], drafts_for: list[str], lookup: bool,
+                           cost: StepCost | None, tree: str, vocab: int, idle_timeout: float, kv_budget: int | None,
+                           prefill_chunk_tokens: int, common: dict) -> None:
+    """The models an "ensemble" orchestrator calls: ``llm``, ``ssm_<i>``, ``lookup``, ``tree_builder``,
+    and ``spec_step``, the Triton ensemble that runs the drafters and then the tree builder."""
     cost_file = ""
     if cost is not None:
         cost_file = out / "step_cost.json"
@@ -121,8 +174,6 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     key_file = out / KEY_FILE
     key_file.touch(mode=0o600)
     key_file.write_text(secrets.token_hex(16))
-    tokenizer_dir = onnx_folder(llm).resolve()
-    common = dict(engine=engine, threads=threads)
     _model("llm", "llm", out, model_dir=llm_dir, idle_timeout=idle_timeout, kv_budget="" if kv_budget is None else int(kv_budget),
            prefill_chunk_tokens=prefill_chunk_tokens, **common)
     drafters = [f"ssm_{i}" for i in range(len(ssm_dirs))] + (["lookup"] if lookup else [])
@@ -142,16 +193,4 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         for i in range(n))
     builder_inputs = "".join(f'\n      input_map {{ key: "{f}_{i}" value: "{f}_{i}" }}' for i in range(n) for f, _, _ in TREE_FIELDS)
     _model("spec_step", "spec_step", out, ssm_steps=ssm_steps, builder_inputs=builder_inputs)
-    for name, mode, decoupled in ORCHESTRATORS:
-        _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
-               ssm_dirs=os.pathsep.join(map(str, ssm_dirs[:len(ssms)])),
-               sampling_ssm_dirs=os.pathsep.join(map(str, ssm_dirs[len(ssms):])), tokenizer_dir=tokenizer_dir,
-               tree=tree, budget=budget,
-               lookup=int(lookup), kv_budget="" if kv_budget is None else int(kv_budget),
-               batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
-               stream_interval=stream_interval, **common)
-    (out / "specinfer_repository.json").write_text(json.dumps(
-        {"llm": str(llm_dir), "ssms": [str(d) for d in ssm_dirs[:len(ssms)]],
-         "sampling_ssms": [str(d) for d in ssm_dirs[len(ssms):]], "tree": tree, "engine": engine, "lookup": lookup},
-        indent=2))
-    return out
+

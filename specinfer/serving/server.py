@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import SpecInferError
 from .gateway import ADMIN_HEADER, DEFAULT_MAX_REQUEST_BYTES, Gateway
+from .repository import is_repository
 
 # The API groups a deployment does not expose (Triton's names, the same for HTTP and gRPC).
 RESTRICTED_APIS = "shared-memory,model-config,model-repository,statistics,trace,logging"
@@ -194,7 +195,7 @@ class TritonServer:
 
     def start(self, timeout: float = 120.0) -> TritonServer:
         """Start, and return once every model is ready; on failure nothing is left running."""
-        if not (self.repository / "spec_step").is_dir():
+        if not is_repository(self.repository):
             raise SpecInferError(f"{self.repository} is not a specinfer model repository (`specinfer repo` writes one)")
         install = find_tritonserver()
         env = dict(os.environ, SPECINFER_PYTHONPATH=python_path(), **{STOP_FILE_ENV: str(self.stop_file)})

@@ -1,9 +1,10 @@
-"""ensemble, ensemble_fused, ensemble_sync: the orchestrator. Tokenize, prefill, then one
+"""ensemble (and, by the repository's layout, ensemble_fused, ensemble_sync): the orchestrator. Tokenize, prefill, then one
 speculation step after another until a stop condition, streaming text as tokens are accepted
 (decoupled) or answering once (not decoupled).
 
 mode "ensemble": each step is one BLS call of the spec_step ensemble (ssm_<i> -> tree_builder -> llm).
-mode "fused": the models run in this process, every request's steps batched by one scheduler
+mode "fused": the models run in this process (the repository's only copy of them in its default
+layout), every request's steps batched by one scheduler
 (specinfer/scheduler.py: one LLM call verifies the trees of all running requests; KV under a budget).
 Requests run on threads of their own, so one instance serves many sequences at once. A client's
 cancel, or the server stopping, ends a request's loop at its next step and frees its sequences.
