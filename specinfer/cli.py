@@ -404,10 +404,11 @@ def _add_batching(p, tree_tokens: int | None) -> None:
 
 def _add_layout(p, default: str | None) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default=default,
-                   help=f"which models serve: 'fused' (ensemble holds every model in its one process, all requests "
-                        f"batched by one scheduler; no ensemble_sync), 'ensemble' (ensemble and ensemble_sync call one Triton model "
-                        f"per step part: ssm_<i>, lookup, tree_builder, llm) or 'both' (the fused one as "
-                        f"ensemble_fused, with a second copy of every model) (default {DEFAULT_LAYOUT})")
+                   help=f"which models serve: 'fused' (ensemble holds every model in its one process, all "
+                        f"requests batched by one scheduler; no ensemble_sync), 'ensemble' (ensemble and "
+                        f"ensemble_sync call one Triton model per part of a step: ssm_<i>, lookup, tree_builder, "
+                        f"llm) or 'both' (the fused one as ensemble_fused, with a second copy of every model) "
+                        f"(default {DEFAULT_LAYOUT})")
 
 
 def cmd_repo(a) -> None:

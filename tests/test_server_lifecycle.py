@@ -256,7 +256,8 @@ def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_s
     assert f'"ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_ssms()[0]).resolve()}" }}' in config
     assert (f'"sampling_ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_sampling_ssms()[0]).resolve()}" }}'
             in config)
-    stubs = [c for c in Path(f"/proc/{serve.tritonserver_pid()}/task/{serve.tritonserver_pid()}/children").read_text().split()
+    pid = serve.tritonserver_pid()
+    stubs = [c for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
              if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
     assert len(stubs) == 1, stubs
     answers = [generate(serve, "/v2/models/ensemble/generate", text_input="def f(x):", max_tokens=16,

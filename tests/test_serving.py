@@ -394,8 +394,9 @@ def test_each_layout_loads_each_model_in_one_model_only(served_pair, tmp_path):
         for model in sorted(p.name for p in repo.iterdir() if p.is_dir()):
             config = (repo / model / "config.pbtxt").read_text()
             if 'key: "mode"' in config:   # an orchestrator: only a fused one loads models
+                fused = param(repo, model, "mode") == "fused"
                 dirs = ([param(repo, model, "llm_dir")] + param(repo, model, "ssm_dirs").split(os.pathsep)
-                        + param(repo, model, "sampling_ssm_dirs").split(os.pathsep)) if param(repo, model, "mode") == "fused" else []
+                        + param(repo, model, "sampling_ssm_dirs").split(os.pathsep)) if fused else []
             else:
                 dirs = [param(repo, model, "model_dir")] if 'key: "model_dir"' in config else []
             for d in filter(None, dirs):

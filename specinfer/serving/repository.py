@@ -136,7 +136,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     # The ensemble's models (llm, ssm_<i>, lookup, tree_builder, spec_step): the drafters' dynamic
     # tree needs the LLM's cost table, measured here; a fused orchestrator measures its own at load.
     ensemble_models = any(mode == "ensemble" for _, mode, _ in ORCHESTRATORS[layout])
-    cost = measure_step_cost(llm_dir, engine, threads, required=dynamic) if ensemble_models and (ssm_dirs or lookup) else None
+    cost = (measure_step_cost(llm_dir, engine, threads, required=dynamic)
+            if ensemble_models and (ssm_dirs or lookup) else None)
     lookup = lookup and (cost is not None or not ensemble_models)
     if out.exists():
         shutil.rmtree(out)

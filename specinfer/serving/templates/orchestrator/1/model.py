@@ -1,6 +1,6 @@
-"""ensemble (and, by the repository's layout, ensemble_fused, ensemble_sync): the orchestrator. Tokenize, prefill, then one
-speculation step after another until a stop condition, streaming text as tokens are accepted
-(decoupled) or answering once (not decoupled).
+"""ensemble (and ensemble_fused, ensemble_sync, by the repository's layout): the orchestrator.
+Tokenize, prefill, then one speculation step after another until a stop condition, streaming text
+as tokens are accepted (decoupled) or answering once (not decoupled).
 
 mode "ensemble": each step is one BLS call of the spec_step ensemble (ssm_<i> -> tree_builder -> llm).
 mode "fused": the models run in this process (the repository's only copy of them in its default
