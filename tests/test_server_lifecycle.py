@@ -248,6 +248,7 @@ def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_s
     """`specinfer serve` on the embedded models: ssm_0 (SSM 1) drafts for greedy requests, ssm_1 (the
     distilled SSM 1) for sampled ones, both in the one process of the default (fused) layout's
     ensemble, which is the only model that loads them: one Python stub under tritonserver."""
+    from specinfer.client.bench import process_tree
     from specinfer.engines.loader import onnx_folder
     from specinfer.models import embedded_sampling_ssms, embedded_ssms
     serve = two_serves[0]
@@ -256,9 +257,8 @@ def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_s
     assert f'"ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_ssms()[0]).resolve()}" }}' in config
     assert (f'"sampling_ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_sampling_ssms()[0]).resolve()}" }}'
             in config)
-    pid = serve.tritonserver_pid()
-    stubs = [c for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-             if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
+    stubs = [p for p in process_tree(serve.tritonserver_pid())
+             if "triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(stubs) == 1, stubs
     answers = [generate(serve, "/v2/models/ensemble/generate", text_input="def f(x):", max_tokens=16,
                         temperature=0.7, random_seed=1, tree=tree) for tree in ("1,1,1", "1,1,1", "dynamic")]

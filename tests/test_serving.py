@@ -20,7 +20,7 @@ from specinfer.sampling import SamplingParams, probabilities
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
                                tensors_to_tree, tree_to_tensors)
 from specinfer.serving import models as serving_models
-from specinfer.serving.repository import write_repository
+from specinfer.serving.repository import MANIFEST, write_repository
 from specinfer.serving.request import read_request
 from specinfer.text import TextStream, decode_piece, load_tokenizer
 from specinfer.tree import Proposal, TokenTree
@@ -408,7 +408,7 @@ def test_each_layout_loads_each_model_in_one_model_only(served_pair, tmp_path):
         repo = write_repository(served_pair["llm"], [close], tmp_path / layout, tree="dynamic", sampling_ssms=[far],
                                 layout=layout)
         models[layout] = sorted(p.name for p in repo.iterdir() if p.is_dir())
-        assert json.loads((repo / "specinfer_repository.json").read_text())["layout"] == layout
+        assert json.loads((repo / MANIFEST).read_text())["layout"] == layout
         where = loaded(repo)
         assert sorted(where) == sorted(str(d.resolve()) for d in (served_pair["llm"], close, far)), where
         assert all(len(m) == (2 if layout == "both" else 1) for m in where.values()), (layout, where)
