@@ -175,6 +175,9 @@ def test_orchestration_equals_in_process_greedy(models, models_with_lookup, stre
         assert "".join(pieces) == tok.decode(want)
         steps = [int(x) for x in responses[-1][0]["accepted_tokens_per_step"][0].decode().split(",")]
         assert sum(steps) == len(want)
+        if stream:   # the last step's tokens come with the final response, not in one of their own
+            assert responses[-1][0]["output_ids"].tolist()[-steps[-1]:] == want[-steps[-1]:]
+            assert len(responses) <= len(steps)
     assert len(verify_model.sequences) == 0 and all(len(m.sequences) == 0 for m in draft_models)
     assert llm.sequences() == [] and all(rt.sequences() == [] for rt in ssms)
     if lookup and tree == "dynamic":   # the lookup model drafted, and learnt what was accepted

@@ -136,6 +136,7 @@ def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list
     produced: list[int] = []
     longest = max((len(w) for w in request.stop_words), default=0)
     generation = decode(speculator, request.prompt, request.max_tokens, eos, budget, stats)
+    held: tuple[list[int], list[int]] | None = None   # the last step's piece, sent with the final one
     try:
         for ids in generation:
             context, ready, stop = None, [], False
@@ -150,6 +151,11 @@ def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list
                     if any(w in text[start:] for w in request.stop_words):
                         stats.stop_reason, stop = "stop word", True
                         break
+            # decode ends after a step that reached EOS or max_tokens: that step's piece goes out
+            # with the final response, one response fewer (each costs the served stream ~1 ms).
+            if not stop and produced and (produced[-1] in eos or len(produced) >= request.max_tokens):
+                held = (context, ready) if ready else None
+                break
             if request.stream and ready:
                 yield Piece(context, ready, stats, final=False)
             if stop:
@@ -164,7 +170,8 @@ def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list
         yield Piece([], ids, stats, final=True)
         return
     stream.flush()
-    yield Piece(*stream.window, stats, final=True)
+    context, tail = stream.window
+    yield Piece(held[0], held[1] + tail, stats, final=True) if held else Piece(context, tail, stats, final=True)
 
 
 class Orchestrator:
