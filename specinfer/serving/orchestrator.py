@@ -129,7 +129,8 @@ def run_request(speculator, request: GenerationRequest, tokenizer, eos_ids: list
                 stats: Stats | None = None) -> Iterator[Piece]:
     """Drive one request: stream pieces as their text becomes final (UTF-8 safe), stop at EOS,
     ``end_id``, a stop word (the output ends with the token that completes it), ``max_tokens`` or a
-    cancellation; or, unstreamed, one final piece."""
+    cancellation; or, unstreamed, one final piece. The text of the step that reaches EOS or
+    ``max_tokens`` comes in the final piece, not in one of its own."""
     stats = stats if stats is not None else Stats()
     eos = [request.end_id] if request.end_id is not None else list(eos_ids)
     stream, text = TextStream(tokenizer), ""
