@@ -405,7 +405,7 @@ def _add_batching(p, tree_tokens: int | None) -> None:
 def _add_layout(p, default: str | None) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default=default,
                    help=f"which models serve: 'fused' (ensemble holds every model in its one process, all "
-                        f"requests batched by one scheduler; no ensemble_sync), 'ensemble' (ensemble and "
+                        f"requests batched by one scheduler; ensemble_sync relays unary infer to it), 'ensemble' (ensemble and "
                         f"ensemble_sync call one Triton model per part of a step: ssm_<i>, lookup, tree_builder, "
                         f"llm) or 'both' (the fused one as ensemble_fused, with a second copy of every model) "
                         f"(default {DEFAULT_LAYOUT})")

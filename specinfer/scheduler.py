@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .engines.runtime import Runtime
-from .errors import RequestError, ServerBusy, SpecInferError
+from .errors import RequestTooLarge, ServerBusy, ServerStopping, SpecInferError
 from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
 from .speculate import check_vocab, run_drafts
@@ -193,13 +193,13 @@ class Scheduler:
     def _admit(self, nbytes: int, tokens: int) -> None:
         mb = 1 << 20
         if nbytes > self.kv_budget:
-            raise RequestError(f"the request needs {nbytes / mb:.1f} MiB of KV cache ({tokens} tokens: prompt, "
-                               f"max_tokens and a tree); the server's KV budget is {self.kv_budget / mb:.1f} MiB: "
-                               f"ask for fewer tokens")
+            raise RequestTooLarge(f"{RequestTooLarge.PREFIX} {nbytes / mb:.1f} MiB of KV cache ({tokens} tokens: "
+                                  f"prompt, max_tokens and a tree); the server's KV budget is "
+                                  f"{self.kv_budget / mb:.1f} MiB: ask for fewer tokens")
         with self._lock:
             if self.reserved + nbytes > self.kv_budget:
                 if self.waiting >= self.max_waiting:
-                    raise ServerBusy(f"the server is busy: its KV memory is in use and {self.waiting} requests "
+                    raise ServerBusy(f"{ServerBusy.PREFIX}: its KV memory is in use and {self.waiting} requests "
                                      f"already wait for it; try again later")
                 self.waiting += 1
                 try:
@@ -207,7 +207,7 @@ class Scheduler:
                     while self.reserved + nbytes > self.kv_budget and not self._closed:
                         left = deadline - time.monotonic()
                         if left <= 0:
-                            raise ServerBusy(f"the server is busy: no KV memory came free in {self.wait_seconds:g} s; "
+                            raise ServerBusy(f"{ServerBusy.PREFIX}: no KV memory came free in {self.wait_seconds:g} s; "
                                              f"try again later")
                         self._lock.wait(left)
                 finally:
@@ -228,7 +228,7 @@ class Scheduler:
     def _queue(self, job: _Job) -> None:
         """Queue ``job`` for the next batch. Called under ``_lock``."""
         if self._closed:
-            raise ServerBusy("the scheduler is closed")
+            raise ServerStopping(f"{ServerStopping.PREFIX}: its scheduler is closed")
         self._jobs.append(job)
         self._lock.notify_all()
 

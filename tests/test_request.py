@@ -310,6 +310,44 @@ def test_bls_keeps_the_category_of_an_internal_models_error(code, error_class):
                                                        else TritonError.INTERNAL)
 
 
+def relaying_pb(answers: list):
+    """fake_pb whose BLS calls are decoupled ones, answered by ``answers`` (a list of responses)."""
+    pb = fake_pb()
+    pb.InferenceRequest = lambda **kwargs: pb.sent.append(kwargs) or SimpleNamespace(
+        exec=lambda decoupled=False: iter(answers) if decoupled else pytest.fail("a decoupled model needs decoupled=True"))
+    return pb
+
+
+def test_relay_answers_a_unary_request_with_the_decoupled_models_responses():
+    """ensemble_sync of the fused layout: the request goes to the decoupled ensemble as it came (no
+    batch dimension: the orchestrators do not batch), and what comes back is one answer."""
+    pb = relaying_pb([Response([Tensor("text_output", text("def")), Tensor("output_ids", ids(1, 2))]),
+                      Response([Tensor("text_output", text(" f")), Tensor("output_ids", ids(3))]),
+                      Response()])   # the final flag alone
+    out = glue.relay(pb, "ensemble", {"text_input": text("x"), "max_tokens": one(4, np.int32)}, merge_responses)
+    assert out["text_output"].tolist() == [b"def f"] and out["output_ids"].tolist() == [1, 2, 3]
+    assert pb.sent[-1]["model_name"] == "ensemble"
+    assert {t.name(): t.as_numpy().shape for t in pb.sent[-1]["inputs"]} == {"text_input": (1,), "max_tokens": (1,)}
+    with pytest.raises(SpecInferError, match="ensemble answered nothing"):
+        glue.relay(relaying_pb([Response()]), "ensemble", {"text_input": text("x")}, merge_responses)
+
+
+@pytest.mark.parametrize("message, code", [
+    ("the request needs 3.0 MiB of KV cache (9 tokens: prompt, max_tokens and a tree); the server's KV budget "
+     "is 1.0 MiB: ask for fewer tokens", TritonError.INVALID_ARG),
+    ("the server is busy: no KV memory came free in 30 s; try again later", TritonError.UNAVAILABLE),
+    ("the server is stopping: the request ended early", TritonError.UNAVAILABLE),
+    ("internal error in ensemble; see the server log", TritonError.INTERNAL)])
+def test_relay_keeps_what_a_relayed_error_is(message, code):
+    """Triton 2.51 hands a decoupled model's error to BLS as INTERNAL whatever its code: the relay
+    knows the refusals that come after its own check of the request by their messages."""
+    pb = relaying_pb([Response(error=TritonError(message, TritonError.INTERNAL))])
+    with pytest.raises(SpecInferError) as e:
+        glue.relay(pb, "ensemble", {"text_input": text("x")}, merge_responses)
+    out = glue.error(pb, e.value, "ensemble_sync").error()
+    assert (out.code(), out.message()) == (code, message)
+
+
 def test_bls_sends_and_reads_batches_of_one():
     """The inner models batch (max_batch_size >= 1): a BLS request is a batch of one."""
     pb = fake_pb(Response([Tensor("bonus", np.array([[3]], np.int64))]))

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import EOS
 from specinfer.engines.onnxruntime import OrtRuntime
-from specinfer.errors import RequestError, ServerBusy, SpecInferError
+from specinfer.errors import RequestError, ServerBusy, ServerStopping, SpecInferError
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams
 from specinfer.scheduler import Scheduler, parse_bytes
@@ -102,7 +102,7 @@ def test_a_closed_scheduler_refuses_requests_and_no_longer_touches_the_models(mo
     assert not scheduler._thread.is_alive()
     time.sleep(0.3)                                 # idle for longer than idle_seconds
     assert scheduler.trims == trims
-    with pytest.raises(ServerBusy, match="closed"):
+    with pytest.raises(ServerStopping, match="closed"):
         list(decode(scheduler.speculator(4), PROMPTS[0], 4))
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import free_port
 
@@ -247,19 +248,19 @@ def test_two_servers_start_side_by_side_and_both_answer(two_serves):
 def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_serves):
     """`specinfer serve` on the embedded models: ssm_0 (SSM 1) drafts for greedy requests, ssm_1 (the
     distilled SSM 1) for sampled ones, both in the one process of the default (fused) layout's
-    ensemble, which is the only model that loads them: one Python stub under tritonserver."""
+    ensemble, which is the only model that loads them; the other stub is ensemble_sync's, the relay."""
     from specinfer.client.bench import process_tree
     from specinfer.engines.loader import onnx_folder
     from specinfer.models import embedded_sampling_ssms, embedded_ssms
     serve = two_serves[0]
-    assert sorted(p.name for p in serve.repository().iterdir() if p.is_dir()) == ["ensemble"]
+    assert sorted(p.name for p in serve.repository().iterdir() if p.is_dir()) == ["ensemble", "ensemble_sync"]
     config = (serve.repository() / "ensemble" / "config.pbtxt").read_text()
     assert f'"ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_ssms()[0]).resolve()}" }}' in config
     assert (f'"sampling_ssm_dirs" value: {{ string_value: "{onnx_folder(embedded_sampling_ssms()[0]).resolve()}" }}'
             in config)
     stubs = [p for p in process_tree(serve.tritonserver_pid())
              if "triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_text()]
-    assert len(stubs) == 1, stubs
+    assert len(stubs) == 2, stubs
     answers = [generate(serve, "/v2/models/ensemble/generate", text_input="def f(x):", max_tokens=16,
                         temperature=0.7, random_seed=1, tree=tree) for tree in ("1,1,1", "1,1,1", "dynamic")]
     assert all(status == 200 for status, _ in answers), answers
@@ -380,6 +381,36 @@ def test_kv_budget_under_load_admits_what_fits_and_refuses_what_never_can(served
         assert [json.loads(t)["text_output"] for _, t in together[:2]] == [json.loads(t)["text_output"] for _, t in alone]
         status, text = generate(serve, path, text_input="def f(x):", max_tokens=200)
         assert status == 400 and "KV budget" in error_of(text), text
+        assert_relayed_infer(serve, prompts[:4], [json.loads(t)["text_output"] for _, t in together[:4]])
         assert_serving(serve)
     finally:
         serve.close()
+
+
+def assert_relayed_infer(serve, prompts, texts):
+    """The default layout's ensemble_sync answers KServe unary infer (HTTP through the gateway, gRPC)
+    by relaying to the fused ensemble: the same texts under the same KV budget, concurrent requests
+    included, and its errors keep their codes (the client's mistake, a request over the budget)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    for module, address in ((httpclient, serve.http_url), (grpcclient, f"127.0.0.1:{serve.grpc}")):
+        def infer(prompt, max_tokens=24, **more):
+            inputs = {"text_input": np.array([prompt.encode()], dtype=object), "max_tokens": np.array([max_tokens], np.int32)}
+            inputs |= more
+            tensors = []
+            for name, value in inputs.items():
+                tensors.append(module.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype)))
+                tensors[-1].set_data_from_numpy(value)
+            with module.InferenceServerClient(address) as client:
+                return client.infer("ensemble_sync", tensors).as_numpy("text_output")[0].decode()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(infer, prompts)) == texts, module.__name__
+        for more, message in [({"max_tokens": 200}, "KV budget"), ({"max_tokens": 0}, "'max_tokens' must be in"),
+                              ({"stream": np.array([True])}, "streaming needs a decoupled model")]:
+            with pytest.raises(InferenceServerException) as e:
+                infer("def f(x):", **more)
+            assert str(e.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT") and message in e.value.message(), e.value

@@ -415,7 +415,7 @@ def test_each_layout_loads_each_model_in_one_model_only(served_pair, tmp_path):
         where = loaded(repo)
         assert sorted(where) == sorted(str(d.resolve()) for d in (served_pair["llm"], close, far)), where
         assert all(len(m) == (2 if layout == "both" else 1) for m in where.values()), (layout, where)
-    assert models["fused"] == ["ensemble"]
+    assert models["fused"] == ["ensemble", "ensemble_sync"]   # the second relays unary infer to the first
     assert models["ensemble"] == ["ensemble", "ensemble_sync", "llm", "lookup", "spec_step", "ssm_0", "ssm_1",
                                   "tree_builder"]
     assert models["both"] == sorted(models["ensemble"] + ["ensemble_fused"])

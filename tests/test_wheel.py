@@ -85,7 +85,8 @@ def test_the_installed_wheel_serves(installed, tmp_path):
         assert answer.status == 200 and json.loads(body)["text_output"], body
         # Each orchestrator's stub logs where its specinfer came from (its model.py's first import).
         served = dict(re.findall(r"(ensemble\w*): specinfer from ([^\s\"]+)", log.read_text(errors="replace")))
-        assert served == {"ensemble": str(site / "specinfer")}   # the default layout: one model holds them all
+        # The default layout: ensemble holds every model, ensemble_sync relays unary infer to it.
+        assert served == {"ensemble": str(site / "specinfer"), "ensemble_sync": str(site / "specinfer")}
     finally:
         if proc.poll() is None:
             proc.send_signal(2)   # SIGINT: serve stops tritonserver and removes its temporary repository

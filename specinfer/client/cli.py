@@ -22,7 +22,7 @@ def _connection_and_request(formatter) -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="host:port (default localhost:8000 for http, localhost:8001 for grpc)")
     p.add_argument("--protocol", choices=["http", "grpc"], default="http", help="how to reach the server")
     p.add_argument("--model", default="ensemble",
-                   help="ensemble (every layout), ensemble_fused or ensemble_sync (where the repository's layout has them)")
+                   help="ensemble or ensemble_sync (every layout), ensemble_fused (where the repository's layout has it)")
     p.add_argument("--stream", action="store_true", help="stream the text as it is generated")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     g = p.add_argument_group("request parameters (unset: the server's default)")

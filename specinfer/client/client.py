@@ -6,8 +6,8 @@
         for piece in c.stream("def fibonacci(n):", max_tokens=64):
             print(piece, end="", flush=True)
 
-The model is any of the repository's client-facing models (``ensemble`` by default, in every
-layout; ``ensemble_fused`` and ``ensemble_sync`` where the layout has them) and every request goes to
+The model is any of the repository's client-facing models (``ensemble`` by default, and
+``ensemble_sync``, in every layout; ``ensemble_fused`` where the layout has it) and every request goes to
 the model named: no silent remapping. Triton refuses
 KServe infer (HTTP ``/infer``, gRPC ``ModelInfer``) on decoupled models, so both protocols use the
 endpoints that answer every model: HTTP the generate extension (``/generate``, ``/generate_stream``:

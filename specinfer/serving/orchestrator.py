@@ -186,10 +186,14 @@ class Orchestrator:
         self.tokenizer, self.max_context, self.eos_ids = tokenizer, max_context, list(eos_ids)
         self.vocab_size, self.make_speculator, self.budget = vocab_size, make_speculator, budget
 
+    def read_request(self, inputs: Tensors) -> GenerationRequest:
+        """The request the tensors ask for, checked (a :class:`RequestError` names what is wrong)."""
+        return read_request(inputs, self.max_context, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+
     def run(self, inputs: Tensors, cancelled: Callable[[], bool] = lambda: False,
             stats: Stats | None = None) -> Iterator[tuple[Tensors, bool]]:
         """Yield (response tensors, final) pairs; the last one is final."""
-        request = read_request(inputs, self.max_context, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+        request = self.read_request(inputs)
         stats = stats if stats is not None else Stats()
         speculator = self.make_speculator(request, stats)
         for piece in run_request(speculator, request, self.tokenizer, self.eos_ids, self.budget, cancelled, stats):

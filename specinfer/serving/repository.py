@@ -31,11 +31,13 @@ SSM_INPUTS = ("op", "sequence_id", "caller_key", "tokens", "root", "budget", "tr
 # The client-facing orchestrators of each layout, (name, mode, decoupled). Decoupled ones stream and
 # answer /generate; the "_sync" twin answers HTTP and gRPC infer, which Triton refuses for decoupled
 # models. Mode "fused" runs the models in its own process; mode "ensemble" calls the llm, ssm_<i>,
-# lookup and tree_builder models, each its own process. Each layout loads each model in one process
-# only: the models of Triton's Python backend cannot share one, so a fused orchestrator beside the
-# ensemble's models holds a second copy of every model ("both", for comparing the two).
+# lookup and tree_builder models, each its own process; mode "relay" passes each request on to the
+# layout's fused ``ensemble`` (RELAY_TO). Each layout loads each model in one process only: the
+# models of Triton's Python backend cannot share one, so a fused orchestrator beside the ensemble's
+# models holds a second copy of every model ("both", for comparing the two).
+RELAY_TO = "ensemble"
 ORCHESTRATORS = {
-    "fused": (("ensemble", "fused", True),),
+    "fused": (("ensemble", "fused", True), ("ensemble_sync", "relay", False)),
     "ensemble": (("ensemble", "ensemble", True), ("ensemble_sync", "ensemble", False)),
     "both": (("ensemble", "ensemble", True), ("ensemble_fused", "fused", True), ("ensemble_sync", "ensemble", False)),
 }
@@ -107,8 +109,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     ``stream_interval``: seconds between a streamed request's responses at least (what it generated
     meanwhile goes out as one response; 0: a response every step).
     ``layout``: which models serve (``ORCHESTRATORS``). "fused" (the default): ``ensemble`` runs
-    every model in its process, every request's steps batched by one scheduler; no ``ensemble_sync``
-    (KServe infer, which Triton refuses for decoupled models). "ensemble": ``ensemble`` and
+    every model in its process, every request's steps batched by one scheduler, and ``ensemble_sync``
+    (KServe infer, which Triton refuses for decoupled models) relays to it. "ensemble": ``ensemble`` and
     ``ensemble_sync`` call one model per process (``spec_step``: ``ssm_<i>`` and ``lookup`` ->
     ``tree_builder`` -> ``llm``). "both": the two, the fused one as ``ensemble_fused``, with a
     second copy of every model."""
@@ -148,7 +150,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
                                prefill_chunk_tokens, common)
     tokenizer_dir = onnx_folder(llm).resolve()
     for name, mode, decoupled in ORCHESTRATORS[layout]:
-        _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(), llm_dir=llm_dir,
+        _model("orchestrator", name, out, name=name, mode=mode, decoupled=str(decoupled).lower(),
+               relay_to=RELAY_TO if mode == "relay" else "", llm_dir=llm_dir,
                ssm_dirs=os.pathsep.join(map(str, ssm_dirs[:len(ssms)])),
                sampling_ssm_dirs=os.pathsep.join(map(str, ssm_dirs[len(ssms):])), tokenizer_dir=tokenizer_dir,
                tree=tree, budget=budget,

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import RequestError, ServerBusy, ServerStopping, SpecInferError
+from ..errors import RequestError, RequestTooLarge, ServerBusy, ServerStopping, SpecInferError
 
 Tensors = dict[str, np.ndarray]
 
@@ -126,6 +126,34 @@ def bls(pb, model: str, inputs: Tensors) -> Tensors:
         kind = RequestError if err.code() == pb.TritonError.INVALID_ARG else SpecInferError
         raise kind(f"{model}: {err.message()}")
     return {t.name(): t.as_numpy()[0] for t in result.output_tensors()}
+
+
+RELAYED_ERRORS = (RequestTooLarge, ServerBusy, ServerStopping)   # what relay() knows by its message
+
+
+def relay(pb, model: str, inputs: Tensors, merge: Callable[[list[Tensors]], Tensors]) -> Tensors:
+    """A unary request's answer from a decoupled ``model`` of the repository (BLS): the request as
+    it came (``stream`` false: the model answers once), its responses' outputs as one (``merge``).
+    Triton's HTTP and gRPC infer refuse decoupled models, and a Triton ensemble around one is
+    decoupled too, so a Python model relays.
+
+    Triton 2.51's BLS cannot cancel a call: a relayed request whose client goes away runs on to its
+    end (``max_tokens`` bounds it). And it gives every error of a decoupled model as INTERNAL: the
+    caller checks the request first (its errors stay the client's), and the refusals that come
+    later, of a request too large for the KV budget, of a busy or stopping server, are known here
+    by their messages' prefixes (they stay INVALID_ARG and UNAVAILABLE)."""
+    request = pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+                                  requested_output_names=[])
+    outputs = []
+    for result in request.exec(decoupled=True):
+        if result.has_error():
+            message = result.error().message()
+            raise next((kind for kind in RELAYED_ERRORS if message.startswith(kind.PREFIX)), SpecInferError)(message)
+        if result.output_tensors():   # (the final flag may come alone)
+            outputs.append({t.name(): t.as_numpy() for t in result.output_tensors()})
+    if not outputs:
+        raise SpecInferError(f"{model} answered nothing")
+    return merge(outputs)
 
 
 # Seconds: at most one streamed response per request this often. Each response is work for

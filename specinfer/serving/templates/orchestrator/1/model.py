@@ -6,6 +6,9 @@ mode "ensemble": each step is one BLS call of the spec_step ensemble (ssm_<i> ->
 mode "fused": the models run in this process (the repository's only copy of them in its default
 layout), every request's steps batched by one scheduler
 (specinfer/scheduler.py: one LLM call verifies the trees of all running requests; KV under a budget).
+mode "relay" (the default layout's ensemble_sync): no models; each unary request is passed to the
+decoupled orchestrator ``relay_to`` by BLS and its one answer returned (Triton refuses unary infer
+on decoupled models), so that its requests join the same scheduler.
 Requests run on threads of their own, so one instance serves many sequences at once. A client's
 cancel, or the server stopping, ends a request's loop at its next step and frees its sequences.
 """
@@ -44,6 +47,8 @@ class TritonPythonModel:
         lookup = p.get("lookup") == "1"   # the dynamic tree also drafts by lookup (the `lookup` model)
         budget = int(p["budget"])
         self.stream_interval = float(p.get("stream_interval", glue.STREAM_INTERVAL))   # absent in older repositories
+        self.relay_to = p["relay_to"] if p["mode"] == "relay" else None
+        make = None   # a relay makes no speculators: its orchestrator only reads requests
         if p["mode"] == "fused":
             # The models in this process, every request's steps batched by one scheduler.
             threads = int(p["threads"]) or None
@@ -67,6 +72,7 @@ class TritonPythonModel:
             manifest = read_manifest(onnx_folder(p["llm_dir"]))
             max_context, eos_ids = manifest["max_context"], list(manifest["config"]["eos_token_ids"])
             vocab = manifest["config"]["vocab_size"]
+        if p["mode"] == "ensemble":
             # Every drafter: each ssm_<i> knows whether it drafts for greedy or sampled requests.
             names = [f"ssm_{i}" for i in range(len(ssm_dirs) + len(sampling_dirs))] + (["lookup"] if lookup else [])
             call = lambda model, inputs: glue.bls(pb, model, inputs)
@@ -88,7 +94,7 @@ class TritonPythonModel:
     def ended(self, cancelled=lambda: False) -> bool:
         """Whether a request's loop should end now: its client cancelled, or the server is stopping."""
         if glue.stopping():
-            raise ServerStopping("the server is stopping: the request ended early")
+            raise ServerStopping(f"{ServerStopping.PREFIX}: the request ended early")
         return cancelled()
 
     def run(self, request):
@@ -98,6 +104,10 @@ class TritonPythonModel:
             inputs = glue.read(pb, request, INPUTS)
             if not self.decoupled and inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
                 raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
+            if self.relay_to:   # checked here, as the relayed request's errors come back as internal ones
+                self.orchestrator.read_request(inputs)
+                responses.send(glue.relay(pb, self.relay_to, inputs, merge_responses), final=True)
+                return
             for tensors, final in self.orchestrator.run(inputs, lambda: self.ended(lambda: responses.cancelled)):
                 if final or self.decoupled:
                     responses.send(tensors, final)
