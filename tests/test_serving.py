@@ -158,6 +158,12 @@ def models_with_lookup(models):
                                                                  ",".join(map(str, TREE)))]
 
 
+def test_the_lookup_model_drafts_for_greedy_requests_only(models_with_lookup):
+    """As in process (generate.LOOKUP_WHEN_SAMPLING): a sampled request gets no lookup drafts."""
+    lookup = models_with_lookup[3][-1]
+    assert lookup.drafts(SamplingParams()) and not lookup.drafts(SamplingParams(temperature=0.7))
+
+
 @pytest.mark.parametrize("stream,tree,lookup", [(False, None, False), (True, None, False), (False, "dynamic", False),
                                                (True, "2,1", False), (False, "dynamic", True), (True, "2,1", True)])
 def test_orchestration_equals_in_process_greedy(models, models_with_lookup, stream, tree, lookup):

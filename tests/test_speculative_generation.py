@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import EOS, TINY_VOCAB, chi_square_p, make_checkpoint
+from specinfer import generate
 from specinfer import verify as verify_module
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.engines.torch_runtime import TorchRuntime
@@ -131,16 +132,29 @@ def exact_first_two(llm, params, prompt=(3, 1, 4)):
 
 
 @pytest.mark.parametrize("setup", ["one SSM", "two merged SSMs", "dynamic tree, two SSMs", "dynamic tree, SSM and lookup"])
-def test_mss_keeps_the_llm_distribution(tiny_vocab, setup):
+def test_mss_keeps_the_llm_distribution(tiny_vocab, setup, monkeypatch):
     (llm, a, b), _ = tiny_vocab
     ssms = [a] if setup in ("one SSM", "dynamic tree, SSM and lookup") else [a, b]
     lookup = setup.endswith("lookup")
+    monkeypatch.setattr(generate, "LOOKUP_WHEN_SAMPLING", True)   # off by default; exact either way
     prompt = (4, 1, 3, 4) if lookup else (3, 1, 4)   # the lookup copies "1 3 4" after the root 4
     params = SamplingParams(temperature=1.0)
     counts = first_two_counts(llm, ssms, None if setup.startswith("dynamic") else [3, 2], params, prompt=prompt,
                               lookup=lookup)
     p = chi_square_p(counts, exact_first_two(llm, params, prompt))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
+
+
+def test_a_sampled_requests_dynamic_tree_drafts_no_lookup(tiny_vocab):
+    """Lookup drafts are point masses, which sampling rarely accepts: only greedy requests' dynamic
+    trees draft by lookup (generate.LOOKUP_WHEN_SAMPLING)."""
+    (llm, a, _), _ = tiny_vocab
+    for params, drafts in ((SamplingParams(), True), (SamplingParams(temperature=0.7, seed=0), False)):
+        spec = generate.LocalSpeculator(llm, [a], None, params, lookup=True)
+        try:
+            assert (spec.lookup is not None) == drafts
+        finally:
+            spec.release()
 
 
 @pytest.mark.parametrize("tree", [[1, 1, 1], [3, 2]], ids=["sampled chain", "sampled tree 3,2"])

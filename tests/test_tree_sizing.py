@@ -148,8 +148,11 @@ def test_acceptance_is_kept_per_ssm_and_sampling(exported):
     assert acceptance(rt, SamplingParams(), rule="naive") is greedy      # greedy verification has no rule
 
 
-def test_a_speculator_drafts_with_its_rules_record(exported):
+def test_a_speculator_drafts_with_its_rules_record(exported, monkeypatch):
+    from specinfer import generate
     from specinfer.generate import LocalSpeculator
+
+    monkeypatch.setattr(generate, "LOOKUP_WHEN_SAMPLING", True)   # (off by default)
 
     llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
     params = SamplingParams(temperature=1.0, seed=0)

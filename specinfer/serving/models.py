@@ -21,7 +21,7 @@ import numpy as np
 
 from ..engines.runtime import Runtime
 from ..errors import RequestError, SpecInferError
-from ..generate import DEFAULT_BUDGET
+from ..generate import DEFAULT_BUDGET, LOOKUP_WHEN_SAMPLING
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
 from ..scheduler import PREFILL_CHUNK_TOKENS, Scheduler
@@ -186,8 +186,6 @@ class DraftModel(_SequenceModel):
     drafts for, "all", "greedy" or "sampled" (a repository with SSMs for sampled requests, e.g. a
     distilled one, has both kinds); for the others it keeps no sequence and drafts nothing."""
 
-    drafts_for = "all"    # the lookup drafter's, always
-
     def __init__(self, runtime: Runtime, index: int, tree: str = DYNAMIC, step_cost: StepCost | None = None,
                  key: str | None = None, drafts_for: str = "all"):
         parse_tree(tree)
@@ -277,9 +275,10 @@ class DraftModel(_SequenceModel):
 
 
 class LookupModel(DraftModel):
-    """``lookup``: drafts by lookup in each sequence's own tokens (lookup.py) for the dynamic tree, a
-    draft model beside the ``ssm_<i>`` ones with no model to run. A step with a fixed tree drafts
-    nothing here (the lookup still learns the accepted tokens)."""
+    """``lookup``: drafts by lookup in each sequence's own tokens (lookup.py) for the dynamic tree of
+    greedy requests (as :class:`~specinfer.generate.LocalSpeculator`'s: see
+    ``LOOKUP_WHEN_SAMPLING``), a draft model beside the ``ssm_<i>`` ones with no model to run. A step
+    with a fixed tree drafts nothing here (the lookup still learns the accepted tokens)."""
 
     def __init__(self, index: int, vocab_size: int, step_cost: StepCost | None, tree: str = DYNAMIC,
                  key: str | None = None):
@@ -288,6 +287,7 @@ class LookupModel(DraftModel):
                                  "which this repository lacks")
         parse_tree(tree)
         self.runtime, self.index, self.default_tree, self.vocab_size, self.key = None, index, tree, vocab_size, key
+        self.drafts_for = "all" if LOOKUP_WHEN_SAMPLING else "greedy"
         self.sizer, self.sequences = TreeSizer(step_cost), _Sequences()
 
     def _drafter(self, seq_id, params: SamplingParams) -> LookupDrafter:
