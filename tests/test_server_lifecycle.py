@@ -261,6 +261,9 @@ def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_s
     stubs = [p for p in process_tree(serve.tritonserver_pid())
              if "triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(stubs) == 2, stubs
+    relay = [p for p in stubs if "/ensemble_sync/" in Path(f"/proc/{p}/cmdline").read_text()]
+    maps = {p: Path(f"/proc/{p}/maps").read_text() for p in stubs}
+    assert len(relay) == 1 and ["onnxruntime" in maps[p] for p in stubs] == [p not in relay for p in stubs]
     answers = [generate(serve, "/v2/models/ensemble/generate", text_input="def f(x):", max_tokens=16,
                         temperature=0.7, random_seed=1, tree=tree) for tree in ("1,1,1", "1,1,1", "dynamic")]
     assert all(status == 200 for status, _ in answers), answers
