@@ -405,10 +405,10 @@ def _add_batching(p, tree_tokens: int | None) -> None:
 def _add_layout(p, default: str | None) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default=default,
                    help=f"which models serve: 'fused' (ensemble holds every model in its one process, all "
-                        f"requests batched by one scheduler; ensemble_sync relays unary infer to it), 'ensemble' (ensemble and "
-                        f"ensemble_sync call one Triton model per part of a step: ssm_<i>, lookup, tree_builder, "
-                        f"llm) or 'both' (the fused one as ensemble_fused, with a second copy of every model) "
-                        f"(default {DEFAULT_LAYOUT})")
+                        f"requests batched by one scheduler; ensemble_sync relays unary infer to it), "
+                        f"'ensemble' (ensemble and ensemble_sync call one Triton model per part of a step: "
+                        f"ssm_<i>, lookup, tree_builder, llm) or 'both' (the fused one as ensemble_fused, with a "
+                        f"second copy of every model) (default {DEFAULT_LAYOUT})")
 
 
 def cmd_repo(a) -> None:

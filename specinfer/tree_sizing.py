@@ -179,8 +179,7 @@ class TreeSizer:
         expected[0] = 0.0
         np.cumsum(reach, out=expected[1:])
         expected += 1.0
-        intercept, slope = self._line
-        seconds = np.maximum(intercept + slope * np.arange(1.0, len(reach) + 2.0), 1e-6)
+        seconds = self.llm_seconds(np.arange(1.0, len(reach) + 2.0))
         seconds += np.maximum(self.overhead + np.asarray(extra_seconds, dtype=float), 0.0)
         return expected / seconds
 

@@ -197,4 +197,3 @@ def _write_ensemble_models(out: Path, llm_dir: Path, ssm_dirs: list[Path], draft
         for i in range(n))
     builder_inputs = "".join(f'\n      input_map {{ key: "{f}_{i}" value: "{f}_{i}" }}' for i in range(n) for f, _, _ in TREE_FIELDS)
     _model("spec_step", "spec_step", out, ssm_steps=ssm_steps, builder_inputs=builder_inputs)
-
