@@ -172,7 +172,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     """
     from . import peers
     from .engines.loader import load_runtime
-    from .generate import LOOKUP_WHEN_SAMPLING, Stats
+    from .generate import Stats, drafts_by_lookup
     from .sampling import SamplingParams
 
     llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads)
@@ -191,7 +191,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         at = f" T={params.temperature:g}" if cfg.sampling else ""
         ours("ours incremental" + at, [], [], params)
         for tree_name, tree in cfg.trees.items():
-            lookup = cfg.lookup and tree is None and (not cfg.sampling or LOOKUP_WHEN_SAMPLING)
+            lookup = drafts_by_lookup(tree, params, cfg.lookup)
             if cfg.sampling:
                 runs = [(f"ours {rule} {tree_name}{at}", ssms, rule) for rule in SAMPLING_RULES]
             else:

@@ -40,6 +40,12 @@ DEFAULT_BUDGET = 64                      # tree nodes, root included
 LOOKUP_WHEN_SAMPLING = False
 
 
+def drafts_by_lookup(tree: Sequence[int] | None, params: SamplingParams, lookup: bool = True) -> bool:
+    """Whether a request drafts by lookup (lookup.py): asked for (``lookup``), on the dynamic tree
+    (``tree`` None), and greedy unless :data:`LOOKUP_WHEN_SAMPLING`."""
+    return lookup and tree is None and (params.greedy or LOOKUP_WHEN_SAMPLING)
+
+
 @dataclass
 class Stats:
     """What requests cost (one, or the sum of several given the same Stats). ``tokens_per_step`` counts every emitted token of a verification step
@@ -136,7 +142,7 @@ class LocalSpeculator:
         check_vocab(llm, ssms)
         if rule not in SAMPLING_RULES:
             raise SpecInferError(f"unknown sampling rule {rule!r}: expected one of {', '.join(SAMPLING_RULES)}")
-        lookup = lookup and tree is None and (params.greedy or LOOKUP_WHEN_SAMPLING)
+        lookup = drafts_by_lookup(tree, params, lookup)
         if tree is not None and not tree:   # "none": incremental decoding, no drafter at all
             ssms = ()
         self.sizer = TreeSizer(step_cost(llm)) if tree is None and (ssms or lookup) else None

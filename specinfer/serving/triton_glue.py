@@ -111,14 +111,18 @@ def handle_batch(pb, requests, names: list[str], fn: Callable[[list[Tensors]], l
     return [error(pb, a, model) if isinstance(a, BaseException) else response(pb, a, batched=True) for a in answers]
 
 
+def _request(pb, model: str, inputs: Tensors):
+    """A BLS request of ``inputs`` to ``model``, asking for all its outputs."""
+    return pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+                               requested_output_names=[])
+
+
 def bls(pb, model: str, inputs: Tensors) -> Tensors:
     """Call another model of the repository (Business Logic Scripting) and return its outputs. The
     repository's inner models batch (``max_batch_size`` >= 1; the llm model's batcher puts many
     requests in one ``execute``): each request is a batch of one, so a leading dimension of 1 goes
     on every input and comes off every output."""
-    request = pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)[None]) for k, v in inputs.items()],
-                                  requested_output_names=[])
-    result = request.exec()
+    result = _request(pb, model, {k: np.asarray(v)[None] for k, v in inputs.items()}).exec()
     if result.has_error():
         # The called model's INVALID_ARG comes from the client's input (a tree spec, a sampling
         # parameter): it stays the client's error. Its other errors are the server's.
@@ -142,10 +146,8 @@ def relay(pb, model: str, inputs: Tensors, merge: Callable[[list[Tensors]], Tens
     caller checks the request first (its errors stay the client's), and the refusals that come
     later, of a request too large for the KV budget, of a busy or stopping server, are known here
     by their messages' prefixes (they stay INVALID_ARG and UNAVAILABLE)."""
-    request = pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
-                                  requested_output_names=[])
     outputs = []
-    for result in request.exec(decoupled=True):
+    for result in _request(pb, model, inputs).exec(decoupled=True):
         if result.has_error():
             message = result.error().message()
             raise next((kind for kind in RELAYED_ERRORS if message.startswith(kind.PREFIX)), SpecInferError)(message)
