@@ -88,6 +88,16 @@ def test_ortgenai_greedy_equals_ours(pair, ours):
     assert len([p for p in pair["work"].iterdir() if not p.name.startswith(".")]) == 1  # one cached conversion
 
 
+def test_ortgenai_loads_its_model_once_for_many_calls(pair, ours):
+    """As our Runtime is loaded once for a bench's prompts, so is the peer's model: one call per
+    prompt (how the bench runs it) reuses it, and the outputs stay the model's own."""
+    pytest.importorskip("onnxruntime_genai")
+    peers._ortgenai_model.cache_clear()
+    outputs = [peers.ortgenai_greedy(pair["llm"], [p], N, work_dir=pair["work"], threads=1).outputs[0] for p in PROMPTS]
+    assert outputs == [ours(p) for p in PROMPTS]
+    assert peers._ortgenai_model.cache_info().misses == 1
+
+
 def test_ortgenai_speculative_equals_ours_and_reports_steps(pair, ours):
     pytest.importorskip("onnxruntime_genai")
     result = peers.ortgenai_speculative(pair["llm"], pair["ssm"], PROMPTS, N, work_dir=pair["work"], threads=1)
