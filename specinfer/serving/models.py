@@ -21,7 +21,7 @@ import numpy as np
 
 from ..engines.runtime import Runtime
 from ..errors import RequestError, SpecInferError
-from ..generate import DEFAULT_BUDGET, LOOKUP_WHEN_SAMPLING
+from ..generate import DEFAULT_BUDGET, drafts_by_lookup
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
 from ..scheduler import PREFILL_CHUNK_TOKENS, Scheduler
@@ -277,8 +277,9 @@ class DraftModel(_SequenceModel):
 class LookupModel(DraftModel):
     """``lookup``: drafts by lookup in each sequence's own tokens (lookup.py) for the dynamic tree of
     greedy requests (as :class:`~specinfer.generate.LocalSpeculator`'s: see
-    ``LOOKUP_WHEN_SAMPLING``), a draft model beside the ``ssm_<i>`` ones with no model to run. A step
-    with a fixed tree drafts nothing here (the lookup still learns the accepted tokens)."""
+    :func:`~specinfer.generate.drafts_by_lookup`), a draft model beside the ``ssm_<i>`` ones with no
+    model to run. A step with a fixed tree drafts nothing here (the lookup still learns the accepted
+    tokens)."""
 
     def __init__(self, index: int, vocab_size: int, step_cost: StepCost | None, tree: str = DYNAMIC,
                  key: str | None = None):
@@ -287,7 +288,8 @@ class LookupModel(DraftModel):
                                  "which this repository lacks")
         parse_tree(tree)
         self.runtime, self.index, self.default_tree, self.vocab_size, self.key = None, index, tree, vocab_size, key
-        self.drafts_for = "all" if LOOKUP_WHEN_SAMPLING else "greedy"
+        # Whether a sampled request drafts by lookup, asked where LocalSpeculator asks it.
+        self.drafts_for = "all" if drafts_by_lookup(None, SamplingParams(temperature=1.0)) else "greedy"
         self.sizer, self.sequences = TreeSizer(step_cost), _Sequences()
 
     def _drafter(self, seq_id, params: SamplingParams) -> LookupDrafter:
