@@ -217,13 +217,17 @@ def run_bench(cfg: BenchConfig) -> dict:
                 jobs.append(_Job(dict(contender=name, tool="specinfer", tree=tree_name if drafts else "-",
                                       ssms=str(len(drafts)) if drafts else "-", rule="mss", lookup=lookup and bool(drafts),
                                       temperature=0.0, streams=n), run, whole=True))
+    torch_process = None
     if cfg.peers and not cfg.sampling:
         from .speculate import DYNAMIC_DEPTH
 
         depth = max(DYNAMIC_DEPTH if t is None else len(t) for t in cfg.trees.values())
+        # transformers in a process of its own: torch in this one slowed our runs (PeerProcess).
+        torch_process = peers.PeerProcess()
         for name, tool, peer in [
-            ("transformers greedy", "transformers", lambda **kw: peers.transformers_greedy(cfg.llm, **kw)),
-            ("transformers assisted", "transformers", lambda **kw: peers.transformers_assisted(cfg.llm, cfg.ssms[0], **kw)),
+            ("transformers greedy", "transformers", lambda **kw: torch_process.call("transformers_greedy", cfg.llm, **kw)),
+            ("transformers assisted", "transformers",
+             lambda **kw: torch_process.call("transformers_assisted", cfg.llm, cfg.ssms[0], **kw)),
             ("onnxruntime-genai greedy", "onnxruntime-genai", lambda **kw: peers.ortgenai_greedy(cfg.llm, **kw)),
             (f"onnxruntime-genai speculative chain {depth}", "onnxruntime-genai",
              lambda **kw: peers.ortgenai_speculative(cfg.llm, cfg.ssms[0], draft_tokens=depth, **kw)),
@@ -242,7 +246,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     # contender comes first.
     for i in range(min(2, len(cfg.prompts))):
         _ours(cfg, llm, ssms, None, SamplingParams(), i, Stats(), lookup=cfg.lookup)
-    results = _interleaved(jobs, len(cfg.prompts), cfg.rounds, cfg.progress)
+    try:
+        results = _interleaved(jobs, len(cfg.prompts), cfg.rounds, cfg.progress)
+    finally:
+        if torch_process is not None:
+            torch_process.close()
     rows = []
     reference = None   # greedy: our incremental outputs, which every greedy contender is compared with
     for job, runs in zip(jobs, results):

@@ -11,6 +11,9 @@ tokens emitted per verification step (accepted draft tokens plus the target's ow
 - ``transformers greedy`` / ``transformers assisted``: ``model.generate`` in fp32 on torch.
 - ``onnxruntime-genai greedy`` / ``onnxruntime-genai speculative``: ONNX Runtime GenAI (package
   ``onnxruntime-genai``, tested with 0.18.0) on checkpoints converted by its model builder (fp32, CPU).
+
+:class:`PeerProcess` runs contenders in a Python process of their own instead (the bench does so
+for transformers', whose torch slows ONNX Runtime in the same process).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -181,6 +185,88 @@ def transformers_assisted(llm_dir: PathLike, ssm_dir: PathLike, prompts: Sequenc
                             assistant_model=assistant)
     except Exception as e:
         return _unavailable(name, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# a process of their own
+
+
+class PeerProcess:
+    """Peer contenders called in a Python process of their own, started at the first call and
+    reused for the next (each keeps its timing: generation alone, measured in that process).
+
+    Why: torch in the same process slows ONNX Runtime's runs there, ours more than
+    onnxruntime-genai's. Interleaved on 8 of aiohttp's prompts, 128 tokens, 3 rounds, our
+    incremental decoding made 0.84-0.89 of onnxruntime-genai greedy's tokens/s with transformers
+    greedy run between them in the process, 0.92-0.94 with it run in a process of its own, and
+    0.92-0.96 with no transformers at all (the cause is not known: Python's garbage collector took
+    7 ms a round, and a pause after each transformers run changed nothing). A user runs one tool
+    per process; so does the bench.
+
+    ``call(name, ...)`` runs the function ``name`` of this module there (:data:`IN_PROCESS`), which
+    returns a :class:`PeerResult`; a process that dies makes the result ``unavailable``.
+    """
+
+    IN_PROCESS = ("transformers_greedy", "transformers_assisted")
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+
+    def call(self, name: str, *args, **kwargs) -> PeerResult:
+        if name not in self.IN_PROCESS:
+            raise ValueError(f"{name} is not one of the peers a PeerProcess runs: {', '.join(self.IN_PROCESS)}")
+        if self._process is None or self._process.poll() is not None:
+            # -c, not -m: the results' classes must be this module's, not __main__'s.
+            self._process = subprocess.Popen([sys.executable, "-c", "from specinfer.peers import _serve; _serve()"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            pickle.dump((name, args, kwargs), self._process.stdin)
+            self._process.stdin.flush()
+            return pickle.load(self._process.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            self.close()
+            return _unavailable(name.replace("_", " "), f"its process ended ({type(e).__name__}; "
+                                                        f"exit code {self._exit_code})")
+
+    @property
+    def _exit_code(self) -> int | None:
+        return None if self._process is None else self._process.returncode
+
+    def close(self) -> None:
+        """End the process (it finishes the call it is in)."""
+        if self._process is not None:
+            if self._process.stdin:
+                try:
+                    self._process.stdin.close()
+                except OSError:
+                    pass
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    def __enter__(self) -> "PeerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve() -> None:
+    """A :class:`PeerProcess`'s loop: a call read from stdin, its result written to stdout, until
+    stdin closes."""
+    channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr   # whatever a library prints must not enter the channel
+    while True:
+        try:
+            name, args, kwargs = pickle.load(channel_in)
+        except EOFError:
+            return
+        result = globals()[name](*args, **kwargs) if name in PeerProcess.IN_PROCESS else \
+            _unavailable(name, "not a peer a PeerProcess runs")
+        pickle.dump(result, channel_out)
+        channel_out.flush()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,6 +133,8 @@ def test_a_peer_that_cannot_run_is_reported_not_raised(monkeypatch, pair):
     monkeypatch.setattr(peers, "transformers_greedy", ok("transformers greedy"))
     monkeypatch.setattr(peers, "transformers_assisted", ok("transformers assisted"))
     monkeypatch.setattr(peers, "ortgenai_speculative", ok("onnxruntime-genai speculative"))
+    # (the fakes live in this process: the bench's peer process would run the real ones)
+    monkeypatch.setattr(peers.PeerProcess, "call", lambda self, name, *a, **k: getattr(peers, name)(*a, **k))
     cfg = benchmark.BenchConfig(pair[0], [pair[1]], [[5, 6, 7], [8, 9]], {"1,1": [1, 1]}, rounds=2, progress=False)
     rows = {r["contender"]: r for r in benchmark.run_bench(cfg)["rows"]}
     assert rows["onnxruntime-genai greedy"]["unavailable"] == "no such tool" and tried == [1]

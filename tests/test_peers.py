@@ -71,6 +71,24 @@ def test_transformers_greedy_equals_ours(pair, ours):
     assert result.tokens_per_step == []
 
 
+def test_a_peer_process_runs_a_peer_as_this_process_would_and_starts_again_if_it_dies(pair, ours):
+    """transformers in a process of its own (as the bench runs it): the same outputs, the process
+    reused for the next call, a new one started after it was killed; only the peers it knows."""
+    want = [ours(p) for p in PROMPTS]
+    with peers.PeerProcess() as process:
+        check(process.call("transformers_greedy", pair["llm"], PROMPTS, N, threads=1), "transformers greedy", want)
+        first = process._process.pid
+        check(process.call("transformers_greedy", pair["llm"], PROMPTS[:1], N, threads=1), "transformers greedy", want[:1])
+        assert process._process.pid == first
+        process._process.kill()
+        process._process.wait()
+        check(process.call("transformers_greedy", pair["llm"], PROMPTS[1:], N, threads=1), "transformers greedy", want[1:])
+        assert process._process.pid != first
+        with pytest.raises(ValueError, match="not one of the peers"):
+            process.call("ortgenai_convert", pair["llm"])
+    assert process._process.returncode == 0   # closed: it left its loop
+
+
 def test_transformers_assisted_equals_greedy_and_uses_the_assistant(pair):
     want = peers.transformers_greedy(pair["llm"], PROMPTS, N, threads=1).outputs
     result = peers.transformers_assisted(pair["llm"], pair["ssm"], PROMPTS, N, threads=1)

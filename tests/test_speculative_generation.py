@@ -102,6 +102,47 @@ def test_edge_cases_stay_exact(pair):
     assert out == free[:10] and stats.stop_reason == "context capacity"
 
 
+def greedy_a_token_a_call(llm, prompt, n, eos=EOS):
+    """The LLM's greedy decoding, one Runtime call per token: the oracle of incremental steps
+    taken several in one run."""
+    seq = llm.start()
+    try:
+        logits, out = llm.prefill(seq, prompt), []
+        while len(out) < n and (not out or out[-1] != eos):
+            out.append(int(np.argmax(logits)))
+            logits = llm.score(seq, [out[-1]])[-1]
+            llm.commit(seq, [0])
+        return out
+    finally:
+        llm.release(seq)
+
+
+def test_incremental_steps_taken_several_in_one_run_are_the_llms_greedy_decoding(pair, monkeypatch):
+    """Greedy incremental decoding on ONNX Runtime runs up to draft_depth steps in one run of the
+    LLM's drafter graph: token for token its decoding a call per token, computing no token past
+    max_new_tokens or the context; sampling, or a drafter with a draft vocabulary, step by step."""
+    llm = pair["llm"]
+    assert llm.draft_depth > 1
+    runs = []
+    monkeypatch.setattr(llm, "draft_chain", lambda seq, t, depth, *a, f=llm.draft_chain: runs.append(depth) or f(seq, t, depth, *a))
+    for prompt in PROMPTS:
+        for n in (1, 2, 5, 40):
+            runs.clear()
+            assert tokens(llm, prompt, n=n, eos=None) == greedy_a_token_a_call(llm, prompt, n, eos=None)
+            assert (sum(runs) == n if n > 1 else runs == []) and max(runs, default=0) <= llm.draft_depth, (n, runs)
+        assert tokens(llm, prompt, n=40) == greedy_a_token_a_call(llm, prompt, 40)   # EOS inside a run
+    small = OrtRuntime(llm.dir, max_context=len(PROMPTS[0]) + 9)
+    stats = Stats()
+    assert tokens(small, PROMPTS[0], n=30, eos=None, stats=stats) == greedy_a_token_a_call(llm, PROMPTS[0], 10, eos=None)
+    assert stats.stop_reason == "context capacity"
+    assert llm.sequences() == [] and small.sequences() == []
+    for params, vocab in ((SamplingParams(temperature=1.0), None), (SamplingParams(), np.arange(64))):
+        monkeypatch.setattr(llm, "draft_vocab", vocab)
+        speculator = generate.LocalSpeculator(llm, tree=[], params=params)
+        assert not speculator.chained
+        speculator.release()
+
+
 def test_ssm_with_another_vocabulary_is_refused(pair, tmp_path):
     other = make_checkpoint(tmp_path / "v", "llama2", vocab_size=400)
     with pytest.raises(SpecInferError, match="SSM 0 has vocab size 400 but the LLM has 320"):
