@@ -192,9 +192,10 @@ class LocalSpeculator:
         self.stats.ssm_seconds += time.perf_counter() - t0
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
-        depth = min(budget, self.llm.draft_depth, self.wanted or budget)
-        if self.chained and depth > 1:
-            return self._chained_step(root, depth)
+        if self.chained:
+            depth = min(budget, self.llm.draft_depth, self.wanted or budget)
+            if depth > 1:
+                return self._chained_step(root, depth)
         tree = self.propose(root, budget)
         start = time.perf_counter()
         logits = self.llm.score(self.seq, tree.tokens, tree.parents)

@@ -203,18 +203,18 @@ class PeerProcess:
     7 ms a round, and a pause after each transformers run changed nothing). A user runs one tool
     per process; so does the bench.
 
-    ``call(name, ...)`` runs the function ``name`` of this module there (:data:`IN_PROCESS`), which
+    ``call(name, ...)`` runs the function ``name`` of this module there (one of :data:`RUNS`), which
     returns a :class:`PeerResult`; a process that dies makes the result ``unavailable``.
     """
 
-    IN_PROCESS = ("transformers_greedy", "transformers_assisted")
+    RUNS = ("transformers_greedy", "transformers_assisted")
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
 
     def call(self, name: str, *args, **kwargs) -> PeerResult:
-        if name not in self.IN_PROCESS:
-            raise ValueError(f"{name} is not one of the peers a PeerProcess runs: {', '.join(self.IN_PROCESS)}")
+        if name not in self.RUNS:
+            raise ValueError(f"{name} is not one of the peers a PeerProcess runs: {', '.join(self.RUNS)}")
         if self._process is None or self._process.poll() is not None:
             # -c, not -m: the results' classes must be this module's, not __main__'s.
             self._process = subprocess.Popen([sys.executable, "-c", "from specinfer.peers import _serve; _serve()"],
@@ -263,7 +263,7 @@ def _serve() -> None:
             name, args, kwargs = pickle.load(channel_in)
         except EOFError:
             return
-        result = globals()[name](*args, **kwargs) if name in PeerProcess.IN_PROCESS else \
+        result = globals()[name](*args, **kwargs) if name in PeerProcess.RUNS else \
             _unavailable(name, "not a peer a PeerProcess runs")
         pickle.dump(result, channel_out)
         channel_out.flush()
