@@ -326,11 +326,16 @@ def cmd_boost_tune(a) -> None:
     if not (Path(a.llm) / "tokenizer.json").is_file():
         raise SpecInferError(f"{a.llm} is not a checkpoint folder with a tokenizer.json")
     cfg = _given(BoostConfig(), num_ssms=a.num_ssms, steps=a.steps, prompts=a.prompts,
-                 sampled_prompts=a.sampled_prompts, seed=a.seed)
+                 sampled_prompts=a.sampled_prompts, seed=a.seed, hidden_size=a.hidden_size, num_layers=a.layers,
+                 intermediate_size=a.intermediate_size, num_heads=a.heads, num_kv_heads=a.kv_heads)
     if cfg.num_ssms < 1 or cfg.steps < 2 or cfg.prompts < 0 or cfg.sampled_prompts < 0 or \
             cfg.prompts + cfg.sampled_prompts < 1:
         raise SpecInferError("--num-ssms must be >= 1, --steps >= 2, --prompts and --sampled-prompts >= 0 "
                              "and not both 0")
+    if min(cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads) < 1 or \
+            cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
+        raise SpecInferError(f"an SSM's sizes must be >= 1, its hidden size ({cfg.hidden_size}) a multiple of "
+                             f"--heads ({cfg.num_heads}) and --heads a multiple of --kv-heads ({cfg.num_kv_heads})")
     boost_tune(a.llm, stdlib_corpus(a.stdlib), a.output, cfg)
     print(f"wrote {a.output}")
 
@@ -586,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled-prompts", type=int, default=None,
                    help="training prompts with the LLM's sampled continuation (temperature 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: the recipe's)")
+    for flag, what in (("--hidden-size", "hidden size"), ("--layers", "layers"), ("--intermediate-size", "MLP size"),
+                       ("--heads", "query heads"), ("--kv-heads", "key/value heads")):
+        p.add_argument(flag, type=int, default=None, help=f"each SSM's {what} (default: the recipe's)")
     p.set_defaults(func=cmd_boost_tune)
 
     p = sub.add_parser("draft-vocab", help="write an SSM's draft vocabulary: its drafts come from the tokens "

@@ -198,3 +198,23 @@ def test_distillation_moves_the_ssms_law_toward_the_llms(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 16
     # the same SSM drafts from the same tokens
     assert (tmp_path / "out" / "draft_vocab.json").read_text() == (tmp_path / "ssm" / "draft_vocab.json").read_text()
+
+
+def test_boost_tune_cli_takes_the_ssms_sizes_and_refuses_sizes_that_cannot_make_a_model(tmp_path, monkeypatch, capsys):
+    from specinfer import cli
+    from specinfer.training import boost_tune as bt
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    given = []
+    monkeypatch.setattr(bt, "boost_tune", lambda llm, corpus, out, cfg: given.append(cfg))
+    monkeypatch.setattr("specinfer.training.corpus.stdlib_corpus", lambda root=None: None)
+    base = ["boost-tune", "--llm", str(tmp_path), "-o", str(tmp_path / "out")]
+    assert cli.main(base + ["--hidden-size", "96", "--layers", "3", "--intermediate-size", "256",
+                            "--heads", "6", "--kv-heads", "2"]) == 0
+    (cfg,) = given
+    assert (cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads) == (96, 3, 256, 6, 2)
+    assert cfg.steps == bt.BoostConfig().steps   # what was not given keeps the recipe's
+    for bad in (["--hidden-size", "100", "--heads", "6"], ["--heads", "4", "--kv-heads", "3"], ["--layers", "0"]):
+        assert cli.main(base + bad) == 2
+        assert "an SSM's sizes" in capsys.readouterr().err
+    assert len(given) == 1
