@@ -75,23 +75,28 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
 
 def test_bench_contenders_take_turns_prompt_by_prompt_and_report_the_median_round(monkeypatch, pair):
     """Within a round the contenders take turns on each prompt, in alternating order (the first
-    prompt in order, the second in reverse, ...); a round's figures add up its prompts; each row is
-    its median round; an output that changes between rounds fails the identity check."""
+    prompt in order, the second in reverse, ...), each after an untimed 2-token run of the prompt
+    (as the peers warm up), all of them once on the first prompt before the rounds; a round's
+    figures add up its prompts; each row is its median round; an output that changes between
+    rounds fails the identity check."""
     from specinfer import benchmark
     from specinfer.generate import Stats
 
-    calls = []
+    calls, warm_ups = [], []
     # tokens per call: the contender's round 1 / 2 / 3 figure is what its two prompts add up to
     per_round = {"ours incremental": [10, 40, 70], "ours 1,1 SSM 1": [20, 50, 80], "ours 2 SSM 1": [30, 60, 90]}
     trees = {(1, 1): "ours 1,1 SSM 1", (2,): "ours 2 SSM 1", (): "ours incremental"}
 
     def fake_ours(cfg, llm, ssms, tree, params, index, stats, rule="mss", lookup=False):
-        if tree is None:   # the untimed warm-up (the dynamic tree)
+        if tree is None:   # the process's untimed warm-up (the dynamic tree)
             return [1, 2]
         name = trees[tuple(tree)]
+        if cfg.max_new_tokens == 2:
+            warm_ups.append((name, index))
+            return [index]
         calls.append((name, index))
-        round_ = sum(1 for n, i in calls if n == name and i == index) - 1
-        stats.add(Stats(new_tokens=per_round[name][round_] // 2, total_seconds=0.5))
+        round_ = sum(1 for n, i in calls if n == name and i == index) - 1 - (index == 0)  # - the first warm-up
+        stats.add(Stats(new_tokens=per_round[name][max(round_, 0)] // 2, total_seconds=0.5))
         return [index]
 
     monkeypatch.setattr(benchmark, "_ours", fake_ours)
@@ -100,15 +105,17 @@ def test_bench_contenders_take_turns_prompt_by_prompt_and_report_the_median_roun
     report = benchmark.run_bench(cfg)
     names = ["ours incremental", "ours 1,1 SSM 1", "ours 2 SSM 1"]
     forward, backward = [(n, 0) for n in names], [(n, 1) for n in names[::-1]]
-    assert calls == (forward + backward) * 3
+    assert calls == forward + (forward + backward) * 3 and warm_ups == calls
     rows = {r["contender"]: r for r in report["rows"]}
     assert rows["ours incremental"]["tokens_per_s_rounds"] == [10, 40, 70]
     assert rows["ours incremental"]["tokens_per_s"] == 40 and rows["ours 2 SSM 1"]["tokens_per_s"] == 60
     assert rows["ours 1,1 SSM 1"]["speedup"] == pytest.approx(50 / 40)
     assert rows["ours 2 SSM 1"]["identical"] == 2
 
-    changing = iter([[1], [1], [2], [1], [1], [1]]).__next__   # the SSM row's second round differs
-    monkeypatch.setattr(benchmark, "_ours", lambda cfg, llm, ssms, tree, *a, **k: [1] if tree is None else changing())
+    # (the first two: each contender's warm-up on the first prompt) the SSM row's second round differs
+    changing = iter([[1], [1], [1], [1], [2], [1], [1], [1]]).__next__
+    monkeypatch.setattr(benchmark, "_ours", lambda cfg, llm, ssms, tree, *a, **k:
+                        [1] if tree is None or cfg.max_new_tokens == 2 else changing())
     with pytest.raises(AssertionError, match="ours 1,1 SSM 1: 1 outputs differ"):
         benchmark.run_bench(replace(cfg, prompts=[[5, 6, 7]], rounds=3, trees={"1,1": [1, 1]}))
 

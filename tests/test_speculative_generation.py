@@ -120,16 +120,22 @@ def greedy_a_token_a_call(llm, prompt, n, eos=EOS):
 def test_incremental_steps_taken_several_in_one_run_are_the_llms_greedy_decoding(pair, monkeypatch):
     """Greedy incremental decoding on ONNX Runtime runs up to draft_depth steps in one run of the
     LLM's drafter graph: token for token its decoding a call per token, computing no token past
-    max_new_tokens or the context; sampling, or a drafter with a draft vocabulary, step by step."""
+    max_new_tokens or the context. Runs are of draft_depth steps only (another depth would open
+    another session); the steps left over are taken one a call. Sampling, or a drafter with a
+    draft vocabulary: step by step."""
     llm = pair["llm"]
     assert llm.draft_depth > 1
-    runs = []
+    runs, scored = [], []
     monkeypatch.setattr(llm, "draft_chain", lambda seq, t, depth, *a, f=llm.draft_chain: runs.append(depth) or f(seq, t, depth, *a))
+    monkeypatch.setattr(llm, "score", lambda seq, t, *a, f=llm.score: scored.append(len(t)) or f(seq, t, *a))
     for prompt in PROMPTS:
-        for n in (1, 2, 5, 40):
-            runs.clear()
-            assert tokens(llm, prompt, n=n, eos=None) == greedy_a_token_a_call(llm, prompt, n, eos=None)
-            assert (sum(runs) == n if n > 1 else runs == []) and max(runs, default=0) <= llm.draft_depth, (n, runs)
+        for n in (1, 2, 5, llm.draft_depth, 40):
+            runs.clear(), scored.clear()
+            out = tokens(llm, prompt, n=n, eos=None)
+            ran, one = runs.copy(), scored.copy()   # (the reference's calls are not counted)
+            assert out == greedy_a_token_a_call(llm, prompt, n, eos=None)
+            assert set(ran) <= {llm.draft_depth} and len(ran) == n // llm.draft_depth, (n, ran)
+            assert sum(ran) + sum(one) == n and set(one) <= {1}, (n, ran, one)
         assert tokens(llm, prompt, n=40) == greedy_a_token_a_call(llm, prompt, 40)   # EOS inside a run
     small = OrtRuntime(llm.dir, max_context=len(PROMPTS[0]) + 9)
     stats = Stats()
