@@ -67,7 +67,8 @@ def test_bench_sampling_compares_the_rules_at_two_temperatures(tmp_path, pair):
     for i, row in enumerate(report["rows"]):
         base = report["rows"][i - i % 4]      # its temperature's incremental sampling
         assert row["tokens"] == 32 and row["temperature"] == base["temperature"]
-        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"])
+        paired = [a / b for a, b in zip(row["tokens_per_s_rounds"], base["tokens_per_s_rounds"])]
+        assert row["speedup"] == pytest.approx(sum(paired) / 2)     # the median of two: their mean
         assert i % 4 == 0 or row["tokens_per_step"] >= 1
         assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] == max(row["tokens_per_s_rounds"])
     assert "taking turns prompt by prompt, 2 rounds" in r.stdout
@@ -168,3 +169,19 @@ def test_bench_runs_a_short_chain_by_default_under_sampling():
 def test_bench_bad_input(args, message, pair):
     r = bench("--llm", str(pair[0]), "--ssm", str(pair[1]), *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_ratio_of_two_rows_pairs_their_rounds():
+    """Rows measured in rounds compare round by round (the runs of one round were seconds apart):
+    the median of the per-round ratios, not the ratio of two medians from different rounds."""
+    from specinfer.benchmark import ratio, targets
+
+    fast = {"contender": "ours chain", "tool": "specinfer", "tree": "1,1", "tokens_per_s": 200.0,
+            "tokens_per_s_rounds": [100.0, 300.0, 200.0]}
+    base = {"contender": "ours incremental", "tool": "specinfer", "tree": "-", "tokens_per_s": 100.0,
+            "tokens_per_s_rounds": [90.0, 100.0, 280.0]}
+    assert ratio(fast, base) == pytest.approx(100 / 90)     # rounds: 1.11, 3.0, 0.71; medians: 2.0
+    assert ratio(dict(fast, tokens_per_s_rounds=None), base) == pytest.approx(2.0)   # one round each
+    assert ratio(fast, dict(base, tokens_per_s=None)) is None
+    first = targets([base, fast])[0]
+    assert first["ratio"] == pytest.approx(100 / 90) and not first["met"]
