@@ -685,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every contender over the prompts this many times (the contenders take turns prompt "
                         "by prompt, as this machine's speed drifts within minutes); report each one's median "
-                        "round and the range")
+                        "round and the range, and a ratio of two as the median of their ratios within a round")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and onnxruntime-genai")
     _add_lookup(p)
     _add_min_confidence(p)
