@@ -11,6 +11,7 @@ import pytest
 
 from specinfer.client.bench import (MemorySampler, Sample, compare_outputs, process_tree, rss_bytes, run_sweep,
                                     sweep_markdown, token_gaps, tree_rss)
+from specinfer.client.messages import ClientError
 
 
 def test_per_token_itl():
@@ -113,6 +114,29 @@ def test_sweep(triton_server):
     assert "outputs identical: yes (0 mismatches" in table
     assert "server memory" in table
     json.dumps(r)   # JSON-ready
+
+
+def test_sweep_rounds_alternate_the_contenders_and_pair_their_ratio(triton_server):
+    """With rounds, each level runs the contenders that many times in alternating order; each one's
+    median round stands for it, and spec ÷ incr is the median of the ratios within a round. Every
+    round's outputs are compared."""
+    order = []
+    r = run_sweep(triton_server.http_url, "http", levels=[1], requests=2, stream=True, max_tokens=8, rounds=3,
+                  progress=lambda level, name, run: order.append((name, run["summary"]["tokens_per_s"])))
+    assert [name for name, _ in order] == ["speculative", "incremental", "incremental", "speculative",
+                                           "speculative", "incremental"]
+    row, runs = r["rows"][0], r["levels"][0]["contenders"]
+    for name in ("speculative", "incremental"):
+        rounds = [tps for n, tps in order if n == name]
+        assert runs[name]["tokens_per_s_rounds"] == rounds
+        assert row[name]["tokens_per_s"] == runs[name]["summary"]["tokens_per_s"] == sorted(rounds)[1]
+    paired = sorted(a / b for a, b in zip(runs["speculative"]["tokens_per_s_rounds"],
+                                          runs["incremental"]["tokens_per_s_rounds"]))
+    assert row["speculative_over_incremental"] == pytest.approx(paired[1])
+    assert r["outputs"]["compared"] == 12 and r["outputs"]["identical"], r["outputs"]   # 2 prompts x 2 x 3
+    assert r["config"]["rounds"] == 3 and "3 rounds at each level" in sweep_markdown(r)
+    with pytest.raises(ClientError, match="rounds must be >= 1"):
+        run_sweep(triton_server.http_url, "http", rounds=0)
 
 
 def test_cli_sweep_and_exit_code(triton_server, tmp_path, capsys):

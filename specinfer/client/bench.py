@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import statistics
 import threading
 import time
 from collections import Counter
@@ -383,17 +384,21 @@ def run_sweep(url: str | None = None, protocol: str = "http", model: str = DEFAU
               stream: bool = False, prompts: list[str] | None = None, timeout: float = 300.0,
               duration: float | None = None, warmup: int = 0, allow_remote: bool = False,
               watch_pids: Sequence[int] = (), memory_interval: float = 0.5, memory_settle: float = 3.0,
-              progress: Callable[[int, str, dict], None] | None = None, **params) -> dict:
+              rounds: int = 1, progress: Callable[[int, str, dict], None] | None = None, **params) -> dict:
     """Every concurrency level in ``levels``, and at each every contender, one :func:`run_bench`
-    run each (in that order). ``requests``: per run (default :func:`default_requests` of the
-    level; with only a ``duration``, as many as fit in it, :data:`MAX_REQUESTS` at most).
-    ``duration``: no request starts after this many seconds of a run (default 600). ``warmup``:
-    unmeasured requests before each contender's first run. ``progress(level, contender, run)``
-    after each run. Return ``{"config", "levels", "rows", "outputs", "memory"}`` (JSON-ready):
-    ``rows`` one per level, see :func:`sweep_markdown`."""
+    run each (in that order), ``rounds`` times (the contenders in alternating order, as this
+    machine's speed drifts within minutes; each contender's median round stands for it, with its
+    tokens/s of every round in ``tokens_per_s_rounds``). ``requests``: per run (default
+    :func:`default_requests` of the level; with only a ``duration``, as many as fit in it,
+    :data:`MAX_REQUESTS` at most). ``duration``: no request starts after this many seconds of a run
+    (default 600). ``warmup``: unmeasured requests before each contender's first run.
+    ``progress(level, contender, run)`` after each run. Return ``{"config", "levels", "rows",
+    "outputs", "memory"}`` (JSON-ready): ``rows`` one per level, see :func:`sweep_markdown`."""
     levels, contenders = [int(c) for c in levels], list(contenders)
     if not levels or not contenders:
         raise ClientError("give one concurrency level and one contender at least")
+    if rounds < 1:
+        raise ClientError(f"rounds must be >= 1, got {rounds}")
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown or len(set(contenders)) != len(contenders):
         raise ClientError(f"contenders are {' and '.join(CONTENDERS)} (each once), got {', '.join(contenders)}")
@@ -414,20 +419,28 @@ def run_sweep(url: str | None = None, protocol: str = "http", model: str = DEFAU
         memory["before_mb"] = sampler.sample()
         sampler.start()
     results: list[dict] = []
+    every_run: list[tuple[int, str, list[dict]]] = []   # (level, contender, samples) of every round
     try:
         for i, level in enumerate(levels):
             entry = {"concurrency": level, "requests": per_level[level], "contenders": {}}
-            for contender in contenders:
-                tree = INCREMENTAL_TREE if contender == "incremental" else params.get("tree")
-                start = time.perf_counter()
-                run = _bench(host, port, protocol, model, level, per_level[level], stream, prompts, timeout, duration,
-                             warmup if i == 0 else 0, params | {"tree": tree})
-                run["tree"] = tree
-                if sampler:
-                    run["memory_peak_mb"] = sampler.peak(start)
-                entry["contenders"][contender] = run
-                if progress:
-                    progress(level, contender, run)
+            runs: dict[str, list[dict]] = {c: [] for c in contenders}
+            for r in range(rounds):
+                for contender in contenders if r % 2 == 0 else contenders[::-1]:
+                    tree = INCREMENTAL_TREE if contender == "incremental" else params.get("tree")
+                    start = time.perf_counter()
+                    run = _bench(host, port, protocol, model, level, per_level[level], stream, prompts, timeout,
+                                 duration, warmup if i == 0 and r == 0 else 0, params | {"tree": tree})
+                    run["tree"] = tree
+                    if sampler:
+                        run["memory_peak_mb"] = sampler.peak(start)
+                    runs[contender].append(run)
+                    every_run.append((level, contender, run["samples"]))
+                    if progress:
+                        progress(level, contender, run)
+            for contender, done in runs.items():
+                median = sorted(done, key=lambda run: run["summary"]["tokens_per_s"])[len(done) // 2]
+                entry["contenders"][contender] = median | {
+                    "tokens_per_s_rounds": [run["summary"]["tokens_per_s"] for run in done]}
             results.append(entry)
     finally:
         if sampler:
@@ -439,14 +452,13 @@ def run_sweep(url: str | None = None, protocol: str = "http", model: str = DEFAU
         memory["after_s"], memory["interval_s"] = memory_settle, memory_interval
         memory["processes"] = sampler.processes
     greedy = is_greedy(params)
-    outputs = compare_outputs([(e["concurrency"], n, r["samples"]) for e in results
-                               for n, r in e["contenders"].items()])
+    outputs = compare_outputs(every_run)
     outputs["checked"] = greedy and outputs["prompts"] > 0   # prompts: those with a reference output
     outputs["greedy"] = greedy
     outputs["identical"] = outputs["mismatches"] == 0 if outputs["checked"] else None
     config = {"url": f"{host}:{port}", "protocol": protocol, "model": model, "levels": levels,
               "contenders": contenders, "requests": {str(c): n for c, n in per_level.items()}, "stream": stream,
-              "prompts": len(prompts), "warmup": warmup, "duration_s": duration, "params": params}
+              "prompts": len(prompts), "warmup": warmup, "duration_s": duration, "rounds": rounds, "params": params}
     return {"config": config, "levels": results, "rows": sweep_rows(results, outputs), "outputs": outputs,
             "memory": memory}
 
@@ -477,8 +489,11 @@ def sweep_rows(results: list[dict], outputs: dict | None = None) -> list[dict]:
                          "memory_peak_mb": run.get("memory_peak_mb")}
             row["failures"] += s["errors"]
         if "speculative" in row and "incremental" in row:
-            spec, inc = row["speculative"]["tokens_per_s"], row["incremental"]["tokens_per_s"]
-            row["speculative_over_incremental"] = spec / inc if inc else None
+            # round by round (the runs of one round were seconds apart), the median of the ratios
+            spec, inc = (e["contenders"][n].get("tokens_per_s_rounds") or [row[n]["tokens_per_s"]]
+                         for n in ("speculative", "incremental"))
+            row["speculative_over_incremental"] = (statistics.median(a / b for a, b in zip(spec, inc))
+                                                   if all(inc) else None)
         rows.append(row)
     return rows
 
@@ -513,6 +528,10 @@ def sweep_markdown(report: dict) -> str:
         if watched:
             cells.append(_f(max((r[n]["memory_peak_mb"] or 0.0) for n in contenders), 0))
         lines.append("| " + " | ".join(cells) + " |")
+    rounds = report["config"].get("rounds", 1)
+    if rounds > 1:
+        lines.append(f"\n{rounds} rounds at each level, the contenders in alternating order: each contender's "
+                     f"median round; spec ÷ incr is the median of their ratios within a round")
     o = report["outputs"]
     if o["checked"]:
         lines.append(f"\noutputs identical: {'yes' if o['identical'] else 'no'} ({o['mismatches']} mismatches; "

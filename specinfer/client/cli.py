@@ -75,6 +75,9 @@ def add_client_parser(subparsers, formatter=argparse.HelpFormatter) -> argparse.
     b.add_argument("--duration", type=float, default=None,
                    help="seconds per level and contender: start no request after them (default 600)")
     b.add_argument("--warmup", type=int, default=0, help="unmeasured requests before each contender's first level")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="run the contenders this many times at each level, in alternating order (this machine's "
+                        "speed drifts within minutes); report each one's median round")
     b.add_argument("--watch-pid", dest="watch_pids", type=int, action="append", default=None, metavar="PID",
                    help="sample the RSS of this process and its descendants (specinfer serve's or "
                         "tritonserver's pid) before, during and 3 s after the run (repeat)")
@@ -147,7 +150,7 @@ def cmd_bench(a) -> None:
     report = run_sweep(a.url, a.protocol, a.model, levels=a.concurrency, contenders=a.contenders,
                        requests=a.requests, stream=a.stream, prompts=read_prompts(a.prompts) if a.prompts else None,
                        timeout=a.timeout, duration=a.duration, warmup=a.warmup, allow_remote=a.allow_remote,
-                       watch_pids=a.watch_pids or (), progress=progress, **_params(a))
+                       watch_pids=a.watch_pids or (), rounds=a.rounds, progress=progress, **_params(a))
     print()
     print(sweep_markdown(report))
     if a.json:
