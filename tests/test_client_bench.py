@@ -139,6 +139,20 @@ def test_sweep_rounds_alternate_the_contenders_and_pair_their_ratio(triton_serve
         run_sweep(triton_server.http_url, "http", rounds=0)
 
 
+def test_a_sweeps_failures_count_every_round():
+    """A failure in a round that is not the contender's median one still counts in its row."""
+    from specinfer.client.bench import summarize, sweep_rows
+
+    ok = summarize([Sample(0, ok=True, latency_s=0.1, tokens=3, output_ids=[1, 2, 3])], 0.1)
+    failed = summarize([Sample(0, ok=False, latency_s=0.1, error="boom")], 0.1)
+    run = {"summary": ok, "samples": [], "tree": None, "tokens_per_s_rounds": [30.0, 0.0, 30.0],
+           "round_summaries": [ok, failed, ok]}
+    row = sweep_rows([{"concurrency": 1, "requests": 1, "contenders": {"incremental": run}}])[0]
+    assert row["failures"] == 1 and row["incremental"]["failures"] == 1
+    assert sweep_rows([{"concurrency": 1, "requests": 1, "contenders": {"incremental": {
+        "summary": ok, "samples": [], "tree": None}}}])[0]["failures"] == 0   # one round, as before
+
+
 def test_cli_sweep_and_exit_code(triton_server, tmp_path, capsys):
     from test_client import cli
 

@@ -440,7 +440,8 @@ def run_sweep(url: str | None = None, protocol: str = "http", model: str = DEFAU
             for contender, done in runs.items():
                 median = sorted(done, key=lambda run: run["summary"]["tokens_per_s"])[len(done) // 2]
                 entry["contenders"][contender] = median | {
-                    "tokens_per_s_rounds": [run["summary"]["tokens_per_s"] for run in done]}
+                    "tokens_per_s_rounds": [run["summary"]["tokens_per_s"] for run in done],
+                    "round_summaries": [run["summary"] for run in done]}
             results.append(entry)
     finally:
         if sampler:
@@ -481,13 +482,14 @@ def sweep_rows(results: list[dict], outputs: dict | None = None) -> list[dict]:
                      "mismatches": mismatches[e["concurrency"]] if checked else None}
         for name, run in e["contenders"].items():
             s = run["summary"]
+            errors = sum(r["errors"] for r in run.get("round_summaries") or [s])   # every round's
             first = base["contenders"][name]["summary"]["tokens_per_s"]
             row[name] = {"tokens_per_s": s["tokens_per_s"], "token_itl_p50_ms": p(s["token_itl_ms"], "p50"),
                          "token_itl_p99_ms": p(s["token_itl_ms"], "p99"), "itl_p50_ms": p(s["itl_ms"], "p50"),
-                         "ttft_p50_ms": p(s["ttft_ms"], "p50"), "requests": s["requests"], "failures": s["errors"],
+                         "ttft_p50_ms": p(s["ttft_ms"], "p50"), "requests": s["requests"], "failures": errors,
                          "over_lowest_level": s["tokens_per_s"] / first if first else None,
                          "memory_peak_mb": run.get("memory_peak_mb")}
-            row["failures"] += s["errors"]
+            row["failures"] += errors
         if "speculative" in row and "incremental" in row:
             # round by round (the runs of one round were seconds apart), the median of the ratios
             spec, inc = (e["contenders"][n].get("tokens_per_s_rounds") or [row[n]["tokens_per_s"]]

@@ -158,11 +158,11 @@ def cmd_bench(a) -> None:
             json.dump(report, f, indent=2)
     for level in report["levels"]:
         for name, run in level["contenders"].items():
-            s = run["summary"]
-            if s["requests"] and not s["ok"]:
-                first = next(iter(s["error_messages"]))
-                raise SpecInferError(f"all {s['requests']} requests failed ({name}, concurrency "
-                                     f"{level['concurrency']}): {first}")
+            for s in run.get("round_summaries") or [run["summary"]]:
+                if s["requests"] and not s["ok"]:
+                    first = next(iter(s["error_messages"]))
+                    raise SpecInferError(f"all {s['requests']} requests failed ({name}, concurrency "
+                                         f"{level['concurrency']}): {first}")
     outputs = report["outputs"]
     if outputs["checked"] and not outputs["identical"]:
         raise SpecInferError(f"greedy outputs differ: {outputs['mismatches']} of {outputs['compared']} outputs "
