@@ -89,8 +89,6 @@ def test_bench_contenders_take_turns_prompt_by_prompt_and_report_the_median_roun
     trees = {(1, 1): "ours 1,1 SSM 1", (2,): "ours 2 SSM 1", (): "ours incremental"}
 
     def fake_ours(cfg, llm, ssms, tree, params, index, stats, rule="mss", lookup=False):
-        if tree is None:   # the process's untimed warm-up (the dynamic tree)
-            return [1, 2]
         name = trees[tuple(tree)]
         if cfg.max_new_tokens == 2:
             warm_ups.append((name, index))
@@ -116,7 +114,7 @@ def test_bench_contenders_take_turns_prompt_by_prompt_and_report_the_median_roun
     # (the first two: each contender's warm-up on the first prompt) the SSM row's second round differs
     changing = iter([[1], [1], [1], [1], [2], [1], [1], [1]]).__next__
     monkeypatch.setattr(benchmark, "_ours", lambda cfg, llm, ssms, tree, *a, **k:
-                        [1] if tree is None or cfg.max_new_tokens == 2 else changing())
+                        [1] if cfg.max_new_tokens == 2 else changing())
     with pytest.raises(AssertionError, match="ours 1,1 SSM 1: 1 outputs differ"):
         benchmark.run_bench(replace(cfg, prompts=[[5, 6, 7]], rounds=3, trees={"1,1": [1, 1]}))
 
