@@ -247,6 +247,8 @@ class OrtRuntime(Runtime):
         drafted as deep as the deepest of its kind (the extra tokens are left pending, which the
         contract allows). A call that does not fit the drafter runs alone (:meth:`draft_chain`).
         A bad call fails the batch before any sequence changes."""
+        if len(calls) == 1:   # one sequence (decoding alone): no batch to group or check
+            return [self.draft_chain(*calls[0])]
         self._check_distinct(calls)
         for seq_id, tokens, _, _ in calls:
             self._check_pending_chain(seq_id)
