@@ -26,8 +26,9 @@ from .draft_vocab import DRAFT_VOCAB, read_draft_vocab
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
 # Bumped whenever the exported graph changes, so cached exports of checkpoints are redone.
-EXPORT_FORMAT = "specinfer-onnx/6"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering;
-                                    # 5: the drafter gives each step's runner-up token; 6: a sampled drafter
+EXPORT_FORMAT = "specinfer-onnx/7"  # 2: RoPE as one RotaryEmbedding node; 3: the ONNX Runtime lowering;
+                                    # 5: the drafter gives each step's runner-up token; 6: a sampled drafter;
+                                    # 7: the drafters' steps trimmed to fewer kernels
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well under it

@@ -41,6 +41,8 @@ DRAFT_DEPTH = 8               # tokens one drafter call proposes (a drafter may 
 # at 1.5x the LLM's temperature 0.7: the LLM accepts a draw from its top 16 about as often as one
 # from its whole vocabulary (0.56 vs 0.57 a token; 0.52 from its top 8).
 DRAFT_CANDIDATES = 16
+DRAFT_OUTPUTS = ("draft_tokens", "draft_logits", "draft_mass", "draft_choice")
+DRAFT_INDICES, DRAFT_ALL_LOGITS = "draft_indices", "draft_all_logits"   # the steps' values joined inside
 MS = "com.microsoft"
 
 
@@ -129,13 +131,19 @@ class _Graph:
 
     def decoder(self, tag: str, input_ids: str, position_ids: str, seqlens_k: str, total: str,
                 bias: str, presents: list[tuple[str, str]], last_only: bool = False,
-                head_rows: np.ndarray | None = None) -> str:
+                head_rows: np.ndarray | None = None, input_rows: np.ndarray | None = None) -> str:
         """The model over new tokens ``input_ids``; returns its logits' name ([B, T, V], or [B, 1, V]
-        with ``last_only``). ``presents[i]`` names layer i's present key and value outputs."""
+        with ``last_only``). ``presents[i]`` names layer i's present key and value outputs.
+        ``head_rows``: the tokens the head scores (all when None); ``input_rows``: the tokens
+        ``input_ids`` index (they are positions in it; token ids when None)."""
         c, eps = self.config, float(self.config.rms_norm_eps)
         node = self.node
-        hidden = node("Gather", [self.weight("embed_tokens", self.model.model.embed_tokens.weight.detach()
-                                             .float().numpy()), input_ids], [f"{tag}embedded"])[0]
+        table = self.model.model.embed_tokens.weight.detach().float().numpy()
+        if input_rows is not None:
+            table = self.weight("embed_tokens.draft_vocab", table[input_rows])
+        else:
+            table = self.weight("embed_tokens", table)
+        hidden = node("Gather", [table, input_ids], [f"{tag}embedded"])[0]
         residual, pending = hidden, None   # pending: the last sub-block's output, not yet in residual
         for i, layer in enumerate(self.model.model.layers):
             p = f"{tag}layers.{i}"
@@ -260,7 +268,9 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     Every new token sees everything before it (the cache holds only committed tokens when a draft
     starts) and its position is its slot, so the graph takes neither a bias nor positions: the
     attention kernel derives them from ``seqlens_k``. ORT pays a few microseconds per kernel here,
-    so each unrolled step is kept to about 27 kernels.
+    so each unrolled step is kept to 27 kernels for the embedded SSM's two layers (34 before the
+    token ids and the mass were computed once for all steps: 223 kernels for a chain of 8 against
+    272, its draft 0.55-0.62 ms against 0.61-0.67 at the median in decoding).
     """
     from onnx import TensorProto, helper
 
@@ -270,38 +280,47 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     one = g.constant("one_i32", np.array(1, np.int32))
     ids, seqlens, total = "input_ids", "seqlens_k", "total_sequence_length"
     k = draft_candidates(c.vocab_size, draft_vocab) if sampled else 2
-    tokens, top_logits, last = [], [], []   # last: the mass (greedy) or the choice (sampled) per step
+    # Per step: its candidates' positions in the head's rows, their logits, every logit, and the
+    # choice (sampled). Later steps feed a position, not a token id: their embedding table is the
+    # head's rows' (one Gather a step, not two), and the positions become token ids once, at the end.
+    indices, top_logits, all_logits, choices = [], [], [], []
     for j in range(depth):
         tag = f"step{j}/"
         if j:
             seqlens = g.node("Add", [seqlens, one], [f"{tag}seqlens_k"])[0]
             total = g.node("Add", [total, one], [f"{tag}total"])[0]
+        # Step 0 scores the catch-up and the root (its last row is read); a later step, one token.
         logits = g.decoder(tag, ids, "", seqlens, total, "", list(zip(presents[j][0::2], presents[j][1::2])),
-                           last_only=True, head_rows=draft_vocab)                       # [1, 1, V]
+                           last_only=j == 0, head_rows=draft_vocab, input_rows=draft_vocab if j else None)
         top, index = g.node("TopK", [logits, g.constant(f"k{k}", np.array([k], np.int64))],
                             [f"{tag}top", f"{tag}index"], axis=-1)                         # [1, 1, k]
-        if draft_vocab is not None:   # positions in the draft vocabulary -> token ids
-            index = g.node("Gather", [g.constant("draft_vocab", np.asarray(draft_vocab, np.int64)), index],
-                           [f"{tag}token_ids"], axis=0)[0]
-        tokens.append(index)
+        indices.append(index)
         top_logits.append(top)
+        all_logits.append(logits)
         if sampled:
             noisy = g.node("Add", [top, f"draft_noise.{j}"], [f"{tag}noisy"])[0]
             choice = g.node("ArgMax", [noisy], [f"{tag}choice"], axis=-1, keepdims=1)[0]  # [1, 1, 1]
-            last.append(choice)
+            choices.append(choice)
             drawn = g.node("GatherElements", [index, choice], [f"{tag}drawn"], axis=-1)[0]
             ids = g.node("Reshape", [drawn, g.constant("token_shape", np.array([1, 1], np.int64))], [f"{tag}token"])[0]
-            continue
-        ids = g.node("Gather", [index, g.constant("first", np.array(0, np.int64))], [f"{tag}token"], axis=-1)[0]
-        # sum(exp(logits - max)) = 1 / (the top token's probability). ReduceLogSumExp would be one
-        # kernel, but ONNX Runtime's is about 10x slower than these three.
-        best = g.node("Gather", [top, g.constant("first_kept", np.array([0], np.int64))], [f"{tag}best"], axis=-1)[0]
-        shifted = g.node("Exp", [g.node("Sub", [logits, best], [f"{tag}shifted"])[0]], [f"{tag}exp"])[0]
-        last.append(g.node("ReduceSum", [shifted, g.constant("last_axis", np.array([-1], np.int64))],
-                           [f"{tag}mass"], keepdims=1)[0])
-    g.node("Concat", tokens, ["draft_tokens"], axis=1)
+        else:
+            ids = g.node("Gather", [index, g.constant("first", np.array(0, np.int64))], [f"{tag}token"], axis=-1)[0]
+    if draft_vocab is None:
+        g.node("Concat", indices, ["draft_tokens"], axis=1)
+    else:   # positions in the draft vocabulary -> token ids
+        g.node("Gather", [g.constant("draft_vocab", np.asarray(draft_vocab, np.int64)),
+                          g.node("Concat", indices, [DRAFT_INDICES], axis=1)[0]], ["draft_tokens"], axis=0)
     g.node("Concat", top_logits, ["draft_logits"], axis=1)
-    g.node("Concat", last, ["draft_choice" if sampled else "draft_mass"], axis=1)
+    if sampled:
+        g.node("Concat", choices, ["draft_choice"], axis=1)
+    else:
+        # sum(exp(logits - max)) = 1 / (the top token's probability), every step's at once.
+        # ReduceLogSumExp would be one kernel, but ONNX Runtime's is about 10x slower than these.
+        best = g.node("Gather", ["draft_logits", g.constant("first_kept", np.array([0], np.int64))], ["draft_best"],
+                      axis=-1)[0]
+        every = g.node("Concat", all_logits, [DRAFT_ALL_LOGITS], axis=1)[0]
+        shifted = g.node("Exp", [g.node("Sub", [every, best], ["draft_shifted"])[0]], ["draft_exp"])[0]
+        g.node("ReduceSum", [shifted, g.constant("last_axis", np.array([-1], np.int64))], ["draft_mass"], keepdims=1)
     outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, [1, depth, k]),
                helper.make_tensor_value_info("draft_logits", TensorProto.FLOAT, [1, depth, k]),
                helper.make_tensor_value_info("draft_choice", TensorProto.INT64, [1, depth, 1]) if sampled else
@@ -429,12 +448,11 @@ def select_logit_rows(model: "onnx.ModelProto") -> "onnx.ModelProto":
 
 
 # --- a drafter that drafts fewer tokens ------------------------------------------------------------
-DRAFT_OUTPUTS = ("draft_tokens", "draft_logits", "draft_mass", "draft_choice")
 
 
 def truncate_drafter(model: "onnx.ModelProto", depth: int) -> "onnx.ModelProto":
     """A drafter (:func:`lower_drafter`) cut to its first ``depth`` steps. Its steps are unrolled and
-    each costs the same (~30 kernels at a few microseconds each), so a chain of 3 drafted by the
+    each costs the same (~27 kernels at a few microseconds each), so a chain of 3 drafted by the
     8-step drafter pays for 8: each output keeps its first ``depth`` steps, and the nodes, inputs
     (later steps' noise) and weights nothing then reads are dropped. Steps kept run the same
     kernels on the same inputs, so their results are the full drafter's bit for bit. Rewritten at
@@ -448,7 +466,7 @@ def truncate_drafter(model: "onnx.ModelProto", depth: int) -> "onnx.ModelProto":
     if not 1 <= depth <= full:
         raise ValueError(f"a drafter of {full} steps cannot be cut to {depth}")
     for node in graph.node:
-        if node.op_type == "Concat" and node.output[0] in DRAFT_OUTPUTS:
+        if node.op_type == "Concat" and node.output[0] in DRAFT_OUTPUTS + (DRAFT_INDICES, DRAFT_ALL_LOGITS):
             del node.input[depth:]
     later = tuple(f".step{j}" for j in range(depth, full))
     outputs = [o for o in graph.output if not o.name.endswith(later)]
@@ -548,7 +566,7 @@ def batch_sequences(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
 def batch_drafter(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
     """A drafter (:func:`lower_drafter`, cut or not) rewritten to draft a chain for each of
     ``slots`` sequences in one run, each over its own KV cache: the SSMs' drafts of many requests
-    in one call, whose weights are read once for all of them and whose ~30 kernels a step are paid
+    in one call, whose weights are read once for all of them and whose ~27 kernels a step are paid
     once, not once per request.
 
     As in :func:`batch_sequences`, the sequences' tokens go in as one row: ``input_ids`` [1, C1 +
