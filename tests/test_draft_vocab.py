@@ -73,6 +73,31 @@ def test_a_bad_draft_vocabulary_is_refused_by_name(tmp_path, content, problem):
     assert DRAFT_VOCAB in str(e.value)
 
 
+def test_a_later_drafter_step_runs_the_decoder_on_its_one_token_and_nothing_more(with_vocab, exported):
+    """ONNX Runtime pays a few microseconds a kernel, so every unrolled step after the first holds
+    only the decoder over its one token (no last-row Gathers), its top tokens and the token it
+    feeds on: the token ids (from the draft vocabulary's positions too) and the greedy mass are
+    computed once for all steps, greedy and sampled drafters alike."""
+    import onnx
+
+    from specinfer.export.ort_lowering import DRAFT_ONNX, SAMPLED_DRAFT_ONNX
+
+    for folder in (exported["llama3"], with_vocab[1]):
+        for name, picks in ((DRAFT_ONNX, ["TopK", "Gather"]), (SAMPLED_DRAFT_ONNX, ["TopK", "Add", "ArgMax",
+                                                                                     "GatherElements", "Reshape"])):
+            graph = onnx.load(folder / name, load_external_data=False).graph
+            layers = sum(n.op_type == "GroupQueryAttention" for n in graph.node if n.name.startswith("step0/"))
+            decoder = ["Gather", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMul"]
+            decoder += ["MatMul", "GroupQueryAttention", "MatMul", "SkipSimplifiedLayerNormalization", "MatMul",
+                        "Split", "Sigmoid", "Mul", "Mul", "MatMul"] * layers
+            decoder += ["SkipSimplifiedLayerNormalization"] * (layers - 1)   # later layers' input norms
+            depth = OrtRuntime(folder).draft_depth
+            for j in range(1, depth):
+                ops = sorted(n.op_type for n in graph.node if n.name.startswith(f"step{j}/"))
+                assert ops == sorted(decoder + ["Add", "Add"] + picks), (folder, name, j)
+            assert sum(n.op_type == "ReduceSum" for n in graph.node) == (name == DRAFT_ONNX)
+
+
 def test_the_export_carries_the_vocabulary_and_its_drafters_draft_from_it(with_vocab, exported):
     """The one-call drafters (greedy and sampled, cut, and batched for many sequences) draft only
     the vocabulary's tokens, exactly as the token-by-token draft does over the same logits within
