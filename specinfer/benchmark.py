@@ -3,13 +3,13 @@ JSON/markdown/PNG report. (Step times of a Runtime are :func:`specinfer.tree_siz
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .engines.runtime import Runtime
+from .rounds import median_ratio, median_round
 from .verify import SAMPLING_RULES
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             continue
         measured = [_measured(stats, peer=fixed["tool"] != "specinfer") for stats, _ in runs]
         # The round of median tokens/s stands for the contender (its time columns stay one run's).
-        row = {**fixed, **sorted(measured, key=lambda m: m.get("tokens_per_s") or 0)[len(measured) // 2]}
+        row = {**fixed, **median_round(measured, lambda m: m.get("tokens_per_s") or 0)}
         if cfg.rounds > 1 and not row.get("unavailable"):
             row["tokens_per_s_rounds"] = [m["tokens_per_s"] for m in measured]
         if not cfg.sampling and not row.get("unavailable"):
@@ -295,14 +295,13 @@ def run_bench(cfg: BenchConfig) -> dict:
 
 
 def ratio(a: dict, b: dict) -> float | None:
-    """Row ``a``'s tokens/s over row ``b``'s: with rounds, the median over rounds of the two rows'
-    ratio within a round (their runs seconds apart, prompt by prompt), not the ratio of their
-    median rounds, which may come from different rounds of a machine whose speed drifts."""
+    """Row ``a``'s tokens/s over row ``b``'s: with rounds, :func:`~specinfer.rounds.median_ratio`
+    of their rounds (prompt by prompt, seconds apart)."""
     if not (a.get("tokens_per_s") and b.get("tokens_per_s")):
         return None
     ra, rb = a.get("tokens_per_s_rounds"), b.get("tokens_per_s_rounds")
     if ra and rb and len(ra) == len(rb):
-        return statistics.median(x / y for x, y in zip(ra, rb))
+        return median_ratio(ra, rb)
     return a["tokens_per_s"] / b["tokens_per_s"]
 
 

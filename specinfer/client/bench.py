@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-import statistics
 import threading
 import time
 from collections import Counter
@@ -47,6 +46,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..rounds import median_ratio, median_round
 from .client import DEFAULT_MODEL
 from .grpc import AsyncGrpcTransport
 from .http import AsyncHttpTransport
@@ -438,7 +438,7 @@ def run_sweep(url: str | None = None, protocol: str = "http", model: str = DEFAU
                     if progress:
                         progress(level, contender, run)
             for contender, done in runs.items():
-                median = sorted(done, key=lambda run: run["summary"]["tokens_per_s"])[len(done) // 2]
+                median = median_round(done, lambda run: run["summary"]["tokens_per_s"])
                 entry["contenders"][contender] = median | {
                     "tokens_per_s_rounds": [run["summary"]["tokens_per_s"] for run in done],
                     "round_summaries": [run["summary"] for run in done]}
@@ -494,8 +494,7 @@ def sweep_rows(results: list[dict], outputs: dict | None = None) -> list[dict]:
             # round by round (the runs of one round were seconds apart), the median of the ratios
             spec, inc = (e["contenders"][n].get("tokens_per_s_rounds") or [row[n]["tokens_per_s"]]
                          for n in ("speculative", "incremental"))
-            row["speculative_over_incremental"] = (statistics.median(a / b for a, b in zip(spec, inc))
-                                                   if all(inc) else None)
+            row["speculative_over_incremental"] = median_ratio(spec, inc)
         rows.append(row)
     return rows
 
