@@ -40,6 +40,7 @@ def installed(tmp_path_factory):
     wheel = next((tmp / "dist").glob("specinfer-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert TEMPLATES <= names, sorted(TEMPLATES - names)
+    assert "specinfer/engines/kernels/f16w_matmul.c" in names   # the native kernel builds from it
     assert "specinfer/serving.py" not in names and "specinfer/repo.py" not in names
     site = tmp / "site"
     r = subprocess.run(pip + ["install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],

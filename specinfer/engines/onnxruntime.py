@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from ..config import ModelConfig
 from ..errors import SpecInferError
 from ..export.draft_vocab import read_draft_vocab
 from ..export.ort_lowering import LOGIT_ROWS
+from . import native
 from .runtime import ChainDraft, Runtime, SequenceState
 
 MANIFEST = "manifest.json"
@@ -73,7 +75,8 @@ def session_options(threads: int | None):
     return options
 
 
-def open_session(model: "str | Path | bytes", threads: int | None = None, weights_dir: Path | None = None):
+def open_session(model: "str | Path | bytes", threads: int | None = None, weights_dir: Path | None = None,
+                 libraries: Sequence[Path] = ()):
     """An ONNX Runtime CPU session with :func:`session_options`. Every session specinfer makes goes
     through these options: once the process's shared pool exists, ONNX Runtime refuses any session
     with a pool of its own (another library's sessions in the same process then need
@@ -82,6 +85,8 @@ def open_session(model: "str | Path | bytes", threads: int | None = None, weight
     import onnxruntime as ort
 
     options = session_options(threads)
+    for library in libraries:   # custom-op libraries the model's nodes need (native.py)
+        options.register_custom_ops_library(str(library))
     if weights_dir is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
     return ort.InferenceSession(str(model) if isinstance(model, Path) else model, options,
@@ -176,9 +181,13 @@ class OrtRuntime(Runtime):
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
         self.threads = threads   # None: the process's shared pool
+        self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
         self.session = self._open(self._lowered)
+        # Whether the sessions run the native float16-weight MatMul (native.py), for reports.
+        self.native_matmul = native.uses_native(native.use_f16_weights(self._lowered, self.dir, self._f16_weights)) \
+            if native.f16w_library() else False
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
@@ -198,8 +207,13 @@ class OrtRuntime(Runtime):
 
     def _open(self, graph):
         """A session of ``graph``, the lowering or a rewrite of it made here (its weights are the
-        export's file)."""
-        return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir)
+        export's file), its MatMuls by float16-exact weights on the native kernel where it runs
+        (:mod:`~specinfer.engines.native`)."""
+        library = native.f16w_library()
+        if library is not None:
+            graph = native.use_f16_weights(graph, self.dir, self._f16_weights)
+        return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,
+                            libraries=[library] if native.uses_native(graph) else [])
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config

@@ -1,0 +1,144 @@
+"""Native CPU kernels that ONNX Runtime lacks, built from ``kernels/`` with the system's C compiler
+on first use and loaded as a custom-op library.
+
+``MatMulF16W`` (``kernels/f16w_matmul.c``) multiplies float32 activations by weights stored in
+float16 and widened in registers: the float32 MatMul of the same numbers, with half the weight
+traffic. It replaces a MatMul only where every weight is a float16 value already (a checkpoint
+saved in float16, as the embedded models are), so the model computes what it did before. Where
+the library cannot be built (no C compiler, a CPU without AVX-512 and F16C, not Linux x86-64) or
+``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's float32 MatMul.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..cache import cache_dir
+
+KERNEL_SOURCE = Path(__file__).parent / "kernels" / "f16w_matmul.c"
+DOMAIN = "specinfer.native"
+OP = "MatMulF16W"
+PANEL = 64                       # weight columns per packed panel (the kernel's PANEL)
+CPU_FLAGS = ("avx512f", "f16c", "fma")
+# MatMuls with no more weights than this stay on ONNX Runtime's: for small ones the kernel's
+# hand-out over the thread pool costs more than their weights' traffic (SSM 1's drafter, whose
+# largest weight has 64 x 2048 values: 397 us a call native against 370, 300 calls each).
+MIN_WEIGHT_VALUES = 1 << 17
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@functools.lru_cache(maxsize=None)
+def f16w_library() -> Path | None:
+    """The built ``MatMulF16W`` library, compiled into the specinfer cache once per source and
+    CPU; None where it cannot run here (see the module docstring)."""
+    if os.environ.get("SPECINFER_NATIVE", "1") == "0":
+        return None
+    if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
+        return None
+    if not set(CPU_FLAGS) <= _cpu_flags():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    source = KERNEL_SOURCE.read_bytes()
+    # -march=native ties the build to this CPU: the key names the CPU's flags too.
+    key = hashlib.sha256(source + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
+    out = cache_dir() / "native" / f"f16w_matmul-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes that start together (a server's models)
+    # never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, str(KERNEL_SOURCE)],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        warnings.warn(f"specinfer: could not build the float16-weight MatMul kernel ({detail.strip()[:300]}); "
+                      f"using ONNX Runtime's float32 MatMul", RuntimeWarning, stacklevel=2)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+def pack_f16w(weights: np.ndarray) -> np.ndarray:
+    """A [K, N] float16 weight as the kernel reads it: panels of 64 columns, [N / 64, K, 64]."""
+    k, n = weights.shape
+    return np.ascontiguousarray(weights.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+
+
+def f16_exact(weights: np.ndarray) -> np.ndarray | None:
+    """``weights`` in float16 if every value is one (then widening them back is exact), else None."""
+    half = weights.astype(np.float16)
+    return half if np.array_equal(half.astype(weights.dtype), weights) else None
+
+
+def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
+    """A copy of ``model`` whose MatMuls by a float16-exact float32 weight ([K, N], N a multiple of
+    64) run ``MatMulF16W`` on the weight packed in float16, or ``model`` itself where none does.
+    ``packed``: weight name -> packed initializer (None: not float16-exact), filled and reused
+    across the sessions of one export."""
+    import onnx
+    from onnx import numpy_helper
+
+    inits = {init.name: init for init in model.graph.initializer}
+    chosen = []   # indices of the MatMuls rewritten
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "MatMul" or node.domain or node.input[1] not in inits:
+            continue
+        name = node.input[1]
+        if name not in packed:
+            init = inits[name]
+            packed[name] = None
+            if (init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2 and init.dims[1] % PANEL == 0
+                    and init.dims[0] * init.dims[1] > MIN_WEIGHT_VALUES):
+                half = f16_exact(numpy_helper.to_array(init, base_dir=str(weights_dir)))
+                if half is not None:
+                    packed[name] = numpy_helper.from_array(pack_f16w(half), f"{name}.f16w")
+        if packed[name] is not None:
+            chosen.append(index)
+    if not chosen:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    weights = sorted({model.graph.node[i].input[1] for i in chosen})
+    for i in chosen:
+        node = out.graph.node[i]
+        node.op_type, node.domain = OP, DOMAIN
+        node.input[1] = f"{node.input[1]}.f16w"
+    # The float32 weights no other node reads are dropped: their session never loads them.
+    used = {name for node in out.graph.node for name in node.input}
+    kept = [init for init in out.graph.initializer if init.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept + [packed[w] for w in weights])
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    return out
+
+
+def uses_native(model) -> bool:
+    """Whether ``model`` has a node of the native domain (its session needs :func:`f16w_library`)."""
+    return any(node.domain == DOMAIN for node in model.graph.node)
