@@ -184,10 +184,8 @@ class OrtRuntime(Runtime):
         self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
+        self.native_matmul = False   # whether its sessions run the native float16-weight MatMul (set by _open)
         self.session = self._open(self._lowered)
-        # Whether the sessions run the native float16-weight MatMul (native.py), for reports.
-        self.native_matmul = native.uses_native(native.use_f16_weights(self._lowered, self.dir, self._f16_weights)) \
-            if native.f16w_library() else False
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
                           for i in range(config.num_layers)]
@@ -212,8 +210,10 @@ class OrtRuntime(Runtime):
         library = native.f16w_library()
         if library is not None:
             graph = native.use_f16_weights(graph, self.dir, self._f16_weights)
+        uses = native.uses_native(graph)
+        self.native_matmul = self.native_matmul or uses
         return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,
-                            libraries=[library] if native.uses_native(graph) else [])
+                            libraries=[library] if uses else [])
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
