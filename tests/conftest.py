@@ -51,7 +51,7 @@ def make_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
 
 
 def make_checkpoint(path: Path, family: str = "llama3", seed: int = 0, layers: int = 2,
-                    hidden: int = 64, heads: int = 4, fp16_values: bool = True, **overrides) -> Path:
+                    hidden: int = 64, heads: int = 4, **overrides) -> Path:
     import torch
     import transformers
 
@@ -67,9 +67,8 @@ def make_checkpoint(path: Path, family: str = "llama3", seed: int = 0, layers: i
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0) if not kwargs.get("tie_word_embeddings") else \
             model.get_input_embeddings().weight.mul_(4.0)
-        if fp16_values:   # as a checkpoint saved in float16: ONNX Runtime runs the native MatMul
-            for p in model.parameters():
-                p.copy_(p.half().float())
+        for p in model.parameters():   # float16 values, as a checkpoint saved in float16: the native MatMul runs
+            p.copy_(p.half().float())
     path.mkdir(parents=True, exist_ok=True)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     model.save_pretrained(path)

@@ -53,14 +53,15 @@ def f16w_library() -> Path | None:
         return None
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
         return None
-    if not set(CPU_FLAGS) <= _cpu_flags():
+    flags = _cpu_flags()
+    if not set(CPU_FLAGS) <= flags:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
     source = KERNEL_SOURCE.read_bytes()
     # -march=native ties the build to this CPU: the key names the CPU's flags too.
-    key = hashlib.sha256(source + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     out = cache_dir() / "native" / f"f16w_matmul-{key}.so"
     if out.is_file():
         return out

@@ -134,12 +134,6 @@ static void run_panel(void *data, size_t panel) {
     }
 }
 
-/* The library's own entry for tests: the same arithmetic without ONNX Runtime. */
-void f16w_matmul(const float *A, const uint16_t *W, float *C, size_t M, size_t K, size_t N) {
-    Job job = {A, W, C, M, K, N};
-    for (size_t p = 0; p < N / PANEL; p++) run_panel(&job, p);
-}
-
 static size_t shape_of(const OrtValue *value, int64_t *dims, size_t most) {
     OrtShape *info = NULL;
     size_t rank = 0;
