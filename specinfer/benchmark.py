@@ -292,7 +292,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             "mode": f"sampling (temperature {' and '.join(f'{t:g}' for t in SAMPLING_TEMPERATURES)})" if cfg.sampling
             else "greedy",
             "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence,
-            "matmul": "native float16-weight" if getattr(llm, "native_matmul", False) else "ONNX Runtime float32",
+            "native_ops": sorted(getattr(llm, "native_ops", ())),
             "rows": rows, "targets": [] if cfg.sampling else targets(rows)}
 
 
@@ -364,7 +364,8 @@ def report_markdown(report: dict) -> str:
             for r in report["rows"]]
     rounds = report.get("rounds", 1)
     text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
-            + (f"our LLM's MatMuls {report['matmul']}, " if "matmul" in report else "")
+            + (f"our LLM on native kernels ({', '.join(report['native_ops'])}), " if report.get("native_ops") else
+               "our LLM on ONNX Runtime's kernels, " if "native_ops" in report else "")
             + "contenders taking turns prompt by prompt, "
             + (f"{rounds} rounds (tokens/s: median round, range; ratios: median of the ratio within each round), " if rounds > 1 else "")
             + f"our drafters' min confidence "

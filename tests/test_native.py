@@ -8,7 +8,7 @@ import pytest
 
 from specinfer.engines import native
 
-pytestmark = pytest.mark.skipif(native.f16w_library() is None,
+pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the native kernel needs Linux x86-64 with AVX-512 and F16C and a C compiler")
 
 
@@ -22,7 +22,7 @@ def _session(weights: np.ndarray, k: int):
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(native.pack_f16w(weights), "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native.DOMAIN, 1)])
-    return open_session(model.SerializeToString(), libraries=[native.f16w_library()])
+    return open_session(model.SerializeToString(), libraries=[native.library()])
 
 
 def test_the_kernel_is_the_float32_matmul_of_the_same_numbers_whatever_the_batch():
@@ -69,13 +69,13 @@ def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matm
 
     on = OrtRuntime(exported["llama3"])
     monkeypatch.setenv("SPECINFER_NATIVE", "0")
-    native.f16w_library.cache_clear()
+    native.library.cache_clear()
     try:
         off = OrtRuntime(exported["llama3"])
     finally:
         monkeypatch.delenv("SPECINFER_NATIVE")
-        native.f16w_library.cache_clear()
-    assert on.native_matmul and not off.native_matmul
+        native.library.cache_clear()
+    assert on.native_ops == {native.OP, native.ATTENTION_OP} and not off.native_ops
     prompt = [1, 17, 42, 99, 5, 23, 8, 61]
     logits = []
     for runtime in (on, off):
@@ -86,3 +86,112 @@ def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matm
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     tokens = [sum(generate_ids(rt, prompt, tree=[], max_new_tokens=40), []) for rt in (on, off)]
     assert tokens[0] == tokens[1]
+
+
+def _attention_session(heads: int, kv_heads: int, d: int, capacity: int, tree_inputs: bool, native_op: bool):
+    """One GroupQueryAttention node as the lowering writes it (rotary inside, the cache bound in
+    place), or its TreeAttention rewrite."""
+    from onnx import TensorProto, helper
+
+    from specinfer.engines.onnxruntime import open_session
+
+    cache = [1, kv_heads, capacity, d]
+    inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, "t", (heads + 2 * kv_heads) * d]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    if tree_inputs:
+        inputs += [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "t"]),
+                   helper.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 1, "t", "total"])]
+    angles = np.outer(np.arange(64), 1.0 / 10000 ** (np.arange(0, d, 2) / d))
+    tables = [helper.make_tensor(name, TensorProto.FLOAT, angles.shape, f(angles).astype(np.float32).ravel())
+              for name, f in (("cos", np.cos), ("sin", np.sin))]
+    node = helper.make_node("GroupQueryAttention",
+                            ["qkv", "", "", "past_key", "past_value", "seqlens_k", "total", "cos", "sin",
+                             "position_ids" if tree_inputs else "", "bias" if tree_inputs else ""],
+                            ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=heads,
+                            kv_num_heads=kv_heads, scale=0.3, do_rotary=1, rotary_interleaved=0, local_window_size=-1)
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache)]
+    model = helper.make_model(helper.make_graph([node], "g", inputs, outputs, tables),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    if native_op:
+        model = native.use_tree_attention(model)
+        assert [n.op_type for n in model.graph.node] == [native.ATTENTION_OP]
+    return open_session(model.SerializeToString(), libraries=[native.library()] if native_op else [])
+
+
+def _attend(session, cache: np.ndarray, qkv: np.ndarray, parents: list[int] | None, past: int):
+    """Run on ``cache`` ([2, 1, Hkv, S, D], bound in place as past and present) the new tokens
+    ``qkv`` after ``past`` cached ones, a tree by ``parents`` (None: the drafter's form, no
+    positions nor bias, a chain); returns the attention output."""
+    import onnxruntime as ort
+
+    t = qkv.shape[1]
+    io = session.io_binding()
+    io.bind_output("out")   # first: outputs come back in the order bound
+    values = [ort.OrtValue.ortvalue_from_numpy(cache[i]) for i in range(2)]
+    for value, past_name, present in zip(values, ("past_key", "past_value"), ("present_key", "present_value")):
+        io.bind_ortvalue_input(past_name, value)
+        io.bind_ortvalue_output(present, value)
+    feeds = {"qkv": qkv, "seqlens_k": np.array([past + t - 1], np.int32), "total": np.array(past + t, np.int32)}
+    if parents is not None:
+        depth = []
+        visible = np.eye(t, dtype=bool)
+        for i, p in enumerate(parents):
+            depth.append(0 if p < 0 else depth[p] + 1)
+            if p >= 0:
+                visible[i] |= visible[p]
+        bias = np.zeros((1, 1, t, past + t), np.float32)
+        bias[0, 0, :, past:][~visible] = np.finfo(np.float32).min
+        feeds.update(position_ids=(past + np.asarray(depth, np.int64))[None], bias=bias)
+    for name, value in feeds.items():
+        io.bind_cpu_input(name, value)
+    session.run_with_iobinding(io)
+    return io.copy_outputs_to_cpu()[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 2, 16), (4, 4, 32), (8, 1, 48)])
+@pytest.mark.parametrize("tree_inputs", [True, False])
+def test_tree_attention_computes_what_group_query_attention_does(heads, kv_heads, d, tree_inputs):
+    rng = np.random.default_rng(heads * d)
+    past, capacity = 37, 64
+    parents = [-1, 0, 0, 1, 1, 2, 5, -1] if tree_inputs else None
+    qkv = rng.standard_normal((1, 8, (heads + 2 * kv_heads) * d)).astype(np.float32)
+    caches = []
+    for native_op in (False, True):
+        cache = rng.standard_normal((2, 1, kv_heads, capacity, d)).astype(np.float32) if not caches else caches[0][0]
+        cache = cache.copy()
+        out = _attend(_attention_session(heads, kv_heads, d, capacity, tree_inputs, native_op), cache, qkv, parents, past)
+        caches.append((cache, out))
+    (theirs, expected), (ours, got) = caches
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)   # the new rows, rotated keys and values
+    np.testing.assert_array_equal(ours[:, :, :, past + 8:], theirs[:, :, :, past + 8:])   # nothing else written
+
+
+def test_a_tree_node_attends_bit_for_bit_as_the_same_token_in_a_chain():
+    rng = np.random.default_rng(7)
+    heads, kv_heads, d, past, capacity = 6, 2, 64, 45, 64
+    session = _attention_session(heads, kv_heads, d, capacity, True, True)
+    parents = [-1, 0, 0, 1, 2, 3, 3, 6, 4]
+    qkv = rng.standard_normal((1, len(parents), (heads + 2 * kv_heads) * d)).astype(np.float32)
+    cache = rng.standard_normal((2, 1, kv_heads, capacity, d)).astype(np.float32)
+    tree = _attend(session, cache.copy(), qkv, parents, past)
+    for leaf in (7, 8, 5):
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        chain = _attend(session, cache.copy(), qkv[:, path], list(range(-1, len(path) - 1)), past)
+        np.testing.assert_array_equal(chain[0], tree[0, path])
+
+
+def test_tree_attention_refuses_a_sequence_past_its_cache():
+    session = _attention_session(4, 2, 16, 16, True, True)
+    cache = np.zeros((2, 1, 2, 16, 16), np.float32)
+    with pytest.raises(Exception, match="total_sequence_length exceeds the cache's slots"):
+        _attend(session, cache, np.zeros((1, 4, 128), np.float32), [-1, 0, 1, 2], 14)

@@ -1,12 +1,16 @@
 """Native CPU kernels that ONNX Runtime lacks, built from ``kernels/`` with the system's C compiler
-on first use and loaded as a custom-op library.
+on first use and loaded as one custom-op library (domain ``specinfer.native``).
 
-``MatMulF16W`` (``kernels/f16w_matmul.c``) multiplies float32 activations by weights stored in
-float16 and widened in registers: the float32 MatMul of the same numbers, with half the weight
-traffic. It replaces a MatMul only where every weight is a float16 value already (a checkpoint
-saved in float16, as the embedded models are), so the model computes what it did before. Where
-the library cannot be built (no C compiler, a CPU without AVX-512 and F16C, not Linux x86-64) or
-``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's float32 MatMul.
+* ``MatMulF16W`` (``kernels/f16w_matmul.c``) multiplies float32 activations by weights stored in
+  float16 and widened in registers: the float32 MatMul of the same numbers, with half the weight
+  traffic. It replaces a MatMul only where every weight is a float16 value already (a checkpoint
+  saved in float16, as the embedded models are), so the model computes what it did before.
+* ``TreeAttention`` (``kernels/tree_attention.c``) replaces the lowering's GroupQueryAttention:
+  the same inputs (but the unused separate key and value) and outputs, the cache read and written
+  in place, each query summed over its visible keys in slot order.
+
+Where the library cannot be built (no C compiler, a CPU without AVX-512 and F16C, not Linux
+x86-64) or ``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's own kernels.
 """
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ import numpy as np
 
 from ..cache import cache_dir
 
-KERNEL_SOURCE = Path(__file__).parent / "kernels" / "f16w_matmul.c"
+KERNELS = Path(__file__).parent / "kernels"
 DOMAIN = "specinfer.native"
 OP = "MatMulF16W"
+ATTENTION_OP = "TreeAttention"
 PANEL = 64                       # weight columns per packed panel (the kernel's PANEL)
 CPU_FLAGS = ("avx512f", "f16c", "fma")
 # MatMuls with no more weights than this stay on ONNX Runtime's: for small ones the kernel's
@@ -46,8 +51,8 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def f16w_library() -> Path | None:
-    """The built ``MatMulF16W`` library, compiled into the specinfer cache once per source and
+def library() -> Path | None:
+    """The built library of the native ops, compiled into the specinfer cache once per source and
     CPU; None where it cannot run here (see the module docstring)."""
     if os.environ.get("SPECINFER_NATIVE", "1") == "0":
         return None
@@ -59,10 +64,11 @@ def f16w_library() -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    source = KERNEL_SOURCE.read_bytes()
+    sources = sorted(KERNELS.glob("*.c"))
+    code = b"".join(path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]")))
     # -march=native ties the build to this CPU: the key names the CPU's flags too.
-    key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
-    out = cache_dir() / "native" / f"f16w_matmul-{key}.so"
+    key = hashlib.sha256(code + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    out = cache_dir() / "native" / f"specinfer_native-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -71,13 +77,13 @@ def f16w_library() -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, str(KERNEL_SOURCE)],
+        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, *map(str, sources)],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        warnings.warn(f"specinfer: could not build the float16-weight MatMul kernel ({detail.strip()[:300]}); "
-                      f"using ONNX Runtime's float32 MatMul", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"specinfer: could not build the native kernels ({detail.strip()[:300]}); "
+                      f"using ONNX Runtime's own", RuntimeWarning, stacklevel=2)
         return None
     finally:
         if os.path.exists(tmp):
@@ -140,6 +146,42 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
     return out
 
 
-def uses_native(model) -> bool:
-    """Whether ``model`` has a node of the native domain (its session needs :func:`f16w_library`)."""
-    return any(node.domain == DOMAIN for node in model.graph.node)
+# GroupQueryAttention as the lowering writes it, the only form TreeAttention implements.
+_GQA_FORM = {"do_rotary": 1, "rotary_interleaved": 0, "local_window_size": -1}
+
+
+def use_tree_attention(model):
+    """A copy of ``model`` whose GroupQueryAttention nodes run ``TreeAttention``, or ``model``
+    itself where none does (only the form the lowering writes: packed q|k|v, rotary inside)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    chosen = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        inputs = list(node.input) + [""] * (11 - len(node.input))
+        if (all(attrs.get(k) == v for k, v in _GQA_FORM.items()) and not attrs.get("softcap")
+                and not inputs[1] and not inputs[2] and all(inputs[i] for i in (3, 4, 5, 6, 7, 8))):
+            chosen.append((index, inputs, float(attrs["scale"])))
+    if not chosen:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    scales = {}
+    for index, inputs, scale in chosen:
+        name = scales.setdefault(scale, f"tree_attention.scale.{len(scales)}")
+        node = out.graph.node[index]
+        replaced = helper.make_node(ATTENTION_OP, [inputs[0], *inputs[3:11], name], list(node.output),
+                                    name=node.name, domain=DOMAIN)
+        node.CopyFrom(replaced)
+    out.graph.initializer.extend(numpy_helper.from_array(np.array(s, np.float32), n) for s, n in scales.items())
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    return out
+
+
+def native_ops(model) -> set[str]:
+    """The ops of the native domain ``model`` has (its session needs :func:`library` if any)."""
+    return {node.op_type for node in model.graph.node if node.domain == DOMAIN}

@@ -184,7 +184,7 @@ class OrtRuntime(Runtime):
         self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
-        self.native_matmul = False   # whether its sessions run the native float16-weight MatMul (set by _open)
+        self.native_ops: set[str] = set()   # the native ops its sessions run (set by _open)
         self.session = self._open(self._lowered)
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
@@ -205,15 +205,15 @@ class OrtRuntime(Runtime):
 
     def _open(self, graph):
         """A session of ``graph``, the lowering or a rewrite of it made here (its weights are the
-        export's file), its MatMuls by float16-exact weights on the native kernel where it runs
-        (:mod:`~specinfer.engines.native`)."""
-        library = native.f16w_library()
+        export's file), on the native kernels where they run (:mod:`~specinfer.engines.native`):
+        MatMuls by float16-exact weights, and the attention."""
+        library = native.library()
         if library is not None:
-            graph = native.use_f16_weights(graph, self.dir, self._f16_weights)
-        uses = native.uses_native(graph)
-        self.native_matmul = self.native_matmul or uses
+            graph = native.use_tree_attention(native.use_f16_weights(graph, self.dir, self._f16_weights))
+        ops = native.native_ops(graph)
+        self.native_ops |= ops
         return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,
-                            libraries=[library] if uses else [])
+                            libraries=[library] if ops else [])
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config

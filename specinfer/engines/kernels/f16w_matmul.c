@@ -12,77 +12,11 @@
  * same whatever M and whatever thread computes it, so a row's result never depends on the other
  * rows of the batch. The panels are shared out over ONNX Runtime's intra-op pool.
  *
- * The ONNX Runtime C API is reached through the OrtApi function table of the running library;
- * the few slots used are declared below by their index in the public onnxruntime_c_api.h (the
- * table only ever grows at its end), and RegisterCustomOps checks one of them before use.
- */
+ * register.c registers it (ort_api.h: the ONNX Runtime C API as used here). */
 #include <immintrin.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
 
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtValue OrtValue;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtTensorTypeAndShapeInfo OrtShape;
-typedef void *OrtApiSlot;
+#include "ort_api.h"
 
-typedef struct OrtApiBase {
-    const OrtApiSlot *(*GetApi)(uint32_t version);
-    const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-/* Slots of OrtApi used here, by index in onnxruntime_c_api.h. */
-enum {
-    SLOT_CreateStatus = 0,
-    SLOT_CreateCustomOpDomain = 26,
-    SLOT_CustomOpDomain_Add = 27,
-    SLOT_AddCustomOpDomain = 28,
-    SLOT_GetTensorMutableData = 51,
-    SLOT_GetDimensionsCount = 61,
-    SLOT_GetDimensions = 62,
-    SLOT_GetTensorTypeAndShape = 65,
-    SLOT_KernelContext_GetInput = 90,
-    SLOT_KernelContext_GetOutput = 91,
-    SLOT_ReleaseTensorTypeAndShapeInfo = 99,
-    SLOT_GetBuildInfoString = 254,
-    SLOT_KernelContext_ParallelFor = 274,
-};
-#define API_VERSION 17 /* ONNX Runtime 1.17: the first with KernelContext_ParallelFor */
-
-static const OrtApiSlot *api;
-#define CALL(slot, type) ((type)api[SLOT_##slot])
-
-/* OrtCustomOp as onnxruntime_c_api.h lays it out: a version, then 25 callbacks; ONNX Runtime reads
- * those its version has, a NULL optional one meaning its default. */
-typedef struct OrtCustomOp {
-    uint32_t version;
-    void *(*CreateKernel)(const struct OrtCustomOp *, const OrtApiSlot *, const OrtKernelInfo *);
-    const char *(*GetName)(const struct OrtCustomOp *);
-    const char *(*GetExecutionProviderType)(const struct OrtCustomOp *);
-    int (*GetInputType)(const struct OrtCustomOp *, size_t);
-    size_t (*GetInputTypeCount)(const struct OrtCustomOp *);
-    int (*GetOutputType)(const struct OrtCustomOp *, size_t);
-    size_t (*GetOutputTypeCount)(const struct OrtCustomOp *);
-    void (*KernelCompute)(void *, OrtKernelContext *);
-    void (*KernelDestroy)(void *);
-    int (*GetInputCharacteristic)(const struct OrtCustomOp *, size_t);
-    int (*GetOutputCharacteristic)(const struct OrtCustomOp *, size_t);
-    int (*GetInputMemoryType)(const struct OrtCustomOp *, size_t);
-    int (*GetVariadicInputMinArity)(const struct OrtCustomOp *);
-    int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *);
-    int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *);
-    int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *);
-    void *CreateKernelV2, *KernelComputeV2, *InferOutputShapeFn;
-    int (*GetStartVersion)(const struct OrtCustomOp *);
-    int (*GetEndVersion)(const struct OrtCustomOp *);
-    void *GetMayInplace, *ReleaseMayInplace, *GetAliasMap, *ReleaseAliasMap;
-} OrtCustomOp;
-
-enum { TYPE_FLOAT = 1, TYPE_FLOAT16 = 10 };
 #define PANEL 64
 
 /* Rows [0, rows) of A (rows <= ROWS) times one panel: 4 x 16 floats of accumulators per row, so
@@ -134,20 +68,8 @@ static void run_panel(void *data, size_t panel) {
     }
 }
 
-static size_t shape_of(const OrtValue *value, int64_t *dims, size_t most) {
-    OrtShape *info = NULL;
-    size_t rank = 0;
-    CALL(GetTensorTypeAndShape, OrtStatus *(*)(const OrtValue *, OrtShape **))(value, &info);
-    CALL(GetDimensionsCount, OrtStatus *(*)(const OrtShape *, size_t *))(info, &rank);
-    if (rank > most) rank = most;
-    CALL(GetDimensions, OrtStatus *(*)(const OrtShape *, int64_t *, size_t))(info, dims, rank);
-    CALL(ReleaseTensorTypeAndShapeInfo, void (*)(OrtShape *))(info);
-    return rank;
-}
-
 static void compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
-    typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
     const OrtValue *a = NULL, *w = NULL;
     CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &a);
     CALL(KernelContext_GetInput, GetInputFn)(ctx, 1, &w);
@@ -159,57 +81,22 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
     Job job = {NULL, NULL, NULL, M, (size_t)wdims[1], (size_t)(wdims[0] * PANEL)};
     dims[rank - 1] = (int64_t)job.N;
     OrtValue *c = NULL;
-    CALL(KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
-        ctx, 0, dims, rank, &c);
-    typedef OrtStatus *(*DataFn)(const OrtValue *, void **);
-    CALL(GetTensorMutableData, DataFn)(a, (void **)&job.A);
-    CALL(GetTensorMutableData, DataFn)(w, (void **)&job.W);
-    CALL(GetTensorMutableData, DataFn)(c, (void **)&job.C);
+    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &c);
+    job.A = data_of(a);
+    job.W = data_of(w);
+    job.C = data_of(c);
     if (M == 0) return;
-    CALL(KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))(
-        ctx, run_panel, (size_t)wdims[0], 0, &job);
+    CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, run_panel, (size_t)wdims[0], 0, &job);
 }
 
-static void *create_kernel(const OrtCustomOp *op, const OrtApiSlot *a, const OrtKernelInfo *info) {
-    (void)op; (void)a; (void)info;
-    return (void *)1;   /* stateless */
-}
-static void destroy_kernel(void *kernel) { (void)kernel; }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulF16W"; }
-static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_FLOAT16; }
-static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
+static size_t inputs(const OrtCustomOp *op) { (void)op; return 2; }
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
-static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
-static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
-static int default_memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
-static int arity(const OrtCustomOp *op) { (void)op; return 1; }
-static int homogeneous(const OrtCustomOp *op) { (void)op; return 1; }
-static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
-static int end_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
+static size_t outputs(const OrtCustomOp *op) { (void)op; return 1; }
 
-static OrtCustomOp matmul_op = {
-    API_VERSION, create_kernel, op_name, op_provider, input_type, two, output_type, one, compute,
-    destroy_kernel, required, required, default_memory, arity, homogeneous, arity, homogeneous,
-    NULL, NULL, NULL, start_version, end_version, NULL, NULL, NULL, NULL,
+OrtCustomOp matmul_f16w_op = {
+    API_VERSION, stateless_kernel, op_name, op_cpu, input_type, inputs, output_type, outputs, compute,
+    op_destroy, op_required, op_required, op_default_memory, op_arity, op_homogeneous, op_arity, op_homogeneous,
+    NULL, NULL, NULL, op_start_version, op_end_version, NULL, NULL, NULL, NULL,
 };
-static OrtCustomOpDomain *domain;
-
-/* Called by ONNX Runtime's SessionOptions.register_custom_ops_library. */
-__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-    const OrtApiSlot *table = base->GetApi(API_VERSION);
-    if (table == NULL) return NULL;   /* too old: ONNX Runtime then has no op and the session fails */
-    typedef OrtStatus *(*CreateStatusFn)(int, const char *);
-    const char *build = ((const char *(*)(void))table[SLOT_GetBuildInfoString])();
-    if (build == NULL || strncmp(build, "ORT Build Info", 14) != 0)
-        return ((CreateStatusFn)table[SLOT_CreateStatus])(1, "specinfer MatMulF16W: unexpected ONNX Runtime API table");
-    api = table;
-    OrtStatus *status = NULL;
-    if (domain == NULL) {
-        status = CALL(CreateCustomOpDomain, OrtStatus *(*)(const char *, OrtCustomOpDomain **))("specinfer.native", &domain);
-        if (status) return status;
-        status = CALL(CustomOpDomain_Add, OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *))(domain, &matmul_op);
-        if (status) return status;
-    }
-    return CALL(AddCustomOpDomain, OrtStatus *(*)(OrtSessionOptions *, OrtCustomOpDomain *))(options, domain);
-}

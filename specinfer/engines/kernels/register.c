@@ -1,0 +1,32 @@
+/* specinfer's native ONNX Runtime ops, registered in domain "specinfer.native" by
+ * SessionOptions.register_custom_ops_library (specinfer/engines/native.py builds this library from
+ * every .c file here). */
+#include <string.h>
+
+#include "ort_api.h"
+
+const OrtApiSlot *api;
+extern OrtCustomOp matmul_f16w_op, tree_attention_op;
+static OrtCustomOpDomain *domain;
+
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+    const OrtApiSlot *table = base->GetApi(API_VERSION);
+    if (table == NULL) return NULL;   /* too old: ONNX Runtime then has no op and the session fails */
+    const char *build = ((const char *(*)(void))table[SLOT_GetBuildInfoString])();
+    if (build == NULL || strncmp(build, "ORT Build Info", 14) != 0)
+        return ((CreateStatusFn)table[SLOT_CreateStatus])(ORT_FAIL, "specinfer.native: unexpected ONNX Runtime API table");
+    api = table;
+    OrtStatus *status = NULL;
+    if (domain == NULL) {
+        OrtCustomOpDomain *made = NULL;
+        status = CALL(CreateCustomOpDomain, OrtStatus *(*)(const char *, OrtCustomOpDomain **))("specinfer.native", &made);
+        if (status) return status;
+        OrtCustomOp *ops[] = {&matmul_f16w_op, &tree_attention_op};
+        for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
+            status = CALL(CustomOpDomain_Add, OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *))(made, ops[i]);
+            if (status) return status;
+        }
+        domain = made;
+    }
+    return CALL(AddCustomOpDomain, OrtStatus *(*)(OrtSessionOptions *, OrtCustomOpDomain *))(options, domain);
+}

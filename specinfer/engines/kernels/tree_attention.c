@@ -1,0 +1,284 @@
+/* TreeAttention: the lowering's attention (com.microsoft::GroupQueryAttention as ort_lowering.py
+ * uses it) over a KV cache bound in place, for a token tree.
+ *
+ * Why: ONNX Runtime's CPU GroupQueryAttention costs 10-20 us a call at a context of 250 for a
+ * handful of queries (a GEMM per head, a softmax over the whole row, scratch buffers), several
+ * times what reading the cache takes; the SSMs' drafters call it 16 times a chain and the LLM 6
+ * times a step.
+ *
+ * Inputs: qkv [B, T, (H + 2 Hkv) D] (q, k, v packed per token); past_key, past_value
+ * [B, Hkv, S, D] (bound to the same memory as the presents: then the past is read in place);
+ * seqlens_k int32 [B] (= P + T - 1, P the tokens already cached); total_sequence_length int32;
+ * cos, sin [positions, D / 2] (rotate-half RoPE); optional position_ids int64 [B, T] (default
+ * P + t); optional attention_bias [B or 1, 1, T, total] (a tree: 0 where a key is visible, the
+ * lowest float where not; default causal); scale float32. Outputs: attention [B, T, H D] and the
+ * present key and value [B, Hkv, S, D], the new tokens' rows written at slots P .. P + T - 1.
+ *
+ * Query t sees keys 0 .. P + t (as GroupQueryAttention: causal, then the bias added); a key whose
+ * bias is below -1e30 is skipped. Each query's sums run over its visible keys in slot order, one
+ * by one, so a token's output is bit for bit the same whatever else is in the call and wherever
+ * its masked neighbours sit: a node of a tree gets what the same token gets in a chain. Tasks are
+ * (sequence, token, KV head), shared out over ONNX Runtime's intra-op pool. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api.h"
+
+#define MASKED (-1e30f)
+#define MAX_GROUP 16   /* query heads per KV head */
+
+/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r,
+ * times 2^n; 0 below e^-80 (weights that small change nothing, and their products with the values
+ * would be denormal numbers, which cost the FMAs dearly). Within 2 ulp of expf; lanes are
+ * independent. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.0f), _CMP_GE_OQ), p, n);
+}
+
+/* x rotated to position pos, rotate-half style: (x1 c - x2 s, x2 c + x1 s), halves of D / 2. */
+static inline void rotate(const float *x, float *y, const float *cos, const float *sin, size_t D) {
+    size_t half = D / 2;
+    for (size_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        y[i] = a * cos[i] - b * sin[i];
+        y[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+typedef struct {
+    const float *qkv, *bias, *cos, *sin;
+    const int64_t *positions;
+    float *keys, *values, *out;
+    const int32_t *seqlens;
+    size_t B, T, H, Hkv, S, D, total, bias_batch;
+    float scale;
+} Job;
+
+static size_t past_of(const Job *job, size_t b) { return (size_t)job->seqlens[b] + 1 - job->T; }
+static size_t position_of(const Job *job, size_t b, size_t t) {
+    return job->positions ? (size_t)job->positions[b * job->T + t] : past_of(job, b) + t;
+}
+
+/* 16 vectors to one whose lane i is the sum of v[i]'s lanes: the same adds, in the same order,
+ * for every lane (a key's score does not depend on where it falls in a block). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* out[h] = sum_i p[h][i] v_i / l[h] over columns [16 c0, 16 (c0 + chunks)) for `heads` heads,
+ * key by key in order (l[h] = sum_i p[h][i], summed on the first columns only). Constant heads
+ * and chunks keep the accumulators in registers. */
+static inline __attribute__((always_inline)) void weigh(const float *V, const uint32_t *visible, size_t n, size_t D,
+                                                       const float *p, size_t stride, float *l, float *out,
+                                                       const int heads, const int chunks, size_t c0) {
+    __m512 acc[4][4];
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int h = 0; h < heads; h++)
+        for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_setzero_ps();
+    for (size_t i = 0; i < n; i++) {
+        const float *v = V + (size_t)visible[i] * D + 16 * c0;
+        __m512 x[4];
+        for (int c = 0; c < chunks; c++) x[c] = _mm512_loadu_ps(v + 16 * c);
+        for (int h = 0; h < heads; h++) {
+            float w = p[h * stride + i];
+            sum[h] += w;
+            __m512 pw = _mm512_set1_ps(w);
+            for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_fmadd_ps(pw, x[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        if (c0 == 0) l[h] = sum[h];
+        __m512 total = _mm512_set1_ps(l[h]);
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + h * D + 16 * (c0 + c), _mm512_div_ps(acc[h][c], total));
+    }
+}
+
+#define WEIGH(H, C) weigh(V, visible, n, D, p + h * n, n, l + h, out + h * D, H, C, c0)
+static void weigh_all(const float *V, const uint32_t *visible, size_t n, size_t D, const float *p, size_t group,
+                      float *out) {
+    float l[MAX_GROUP];
+    for (size_t h = 0; h < group; h += 4) {
+        size_t heads = group - h < 4 ? group - h : 4;
+        for (size_t c0 = 0; c0 < D / 16;) {
+            size_t chunks = D / 16 - c0 >= 4 ? 4 : D / 16 - c0 >= 2 ? 2 : 1;
+            switch (heads * 8 + chunks) {
+                case 8 + 1: WEIGH(1, 1); break;   case 8 + 2: WEIGH(1, 2); break;   case 8 + 4: WEIGH(1, 4); break;
+                case 16 + 1: WEIGH(2, 1); break;  case 16 + 2: WEIGH(2, 2); break;  case 16 + 4: WEIGH(2, 4); break;
+                case 24 + 1: WEIGH(3, 1); break;  case 24 + 2: WEIGH(3, 2); break;  case 24 + 4: WEIGH(3, 4); break;
+                default: /* 4 heads */
+                    if (chunks == 1) WEIGH(4, 1); else if (chunks == 2) WEIGH(4, 2); else WEIGH(4, 4);
+            }
+            c0 += chunks;
+        }
+    }
+}
+
+/* One task: token t of sequence b, the query heads of KV head g. */
+static void attend(void *data, size_t task) {
+    const Job *job = (const Job *)data;
+    size_t D = job->D, g = task % job->Hkv, t = (task / job->Hkv) % job->T, b = task / (job->Hkv * job->T);
+    size_t group = job->H / job->Hkv, width = (job->H + 2 * job->Hkv) * D, keys = past_of(job, b) + t + 1;
+    const float *K = job->keys + (b * job->Hkv + g) * job->S * D, *V = job->values + (b * job->Hkv + g) * job->S * D;
+    const float *bias = job->bias ? job->bias + ((job->bias_batch > 1 ? b : 0) * job->T + t) * job->total : NULL;
+    size_t pos = position_of(job, b, t);
+
+    float q[MAX_GROUP * 256] __attribute__((aligned(64)));
+    for (size_t h = 0; h < group; h++)
+        rotate(job->qkv + (b * job->T + t) * width + (g * group + h) * D, q + h * D, job->cos + pos * D / 2,
+               job->sin + pos * D / 2, D);
+
+    uint32_t *visible = malloc(keys * sizeof *visible);
+    float *s = malloc((group * keys + 16) * sizeof *s);   /* head-major: s[h * n + i], the i-th visible key */
+    size_t n = 0;
+    for (size_t j = 0; j < keys; j++)
+        if (!bias || bias[j] > MASKED) visible[n++] = (uint32_t)j;
+    __m512 scale = _mm512_set1_ps(job->scale);
+    for (size_t i0 = 0; i0 < n; i0 += 16) {   /* 16 keys at a time; a short last block repeats its last key */
+        size_t m = n - i0 < 16 ? n - i0 : 16;
+        const float *k[16];
+        for (size_t j = 0; j < 16; j++) k[j] = K + (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
+        for (size_t h = 0; h < group; h++) {
+            const float *qh = q + h * D;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_load_ps(qh), _mm512_loadu_ps(k[j]));
+            for (size_t c = 16; c < D; c += 16) {
+                __m512 qc = _mm512_load_ps(qh + c);
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[j] + c), acc[j]);
+            }
+            _mm512_mask_storeu_ps(s + h * n + i0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum16(acc), scale));
+        }
+    }
+    if (bias)
+        for (size_t h = 0; h < group; h++)
+            for (size_t i = 0; i < n; i++) s[h * n + i] += bias[visible[i]];
+    for (size_t h = 0; h < group; h++) {   /* softmax numerators in place */
+        float *row = s + h * n;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        size_t i = 0;
+        for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
+        __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+        top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, row + i));
+        __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
+        if (i < n) _mm512_mask_storeu_ps(row + i, tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), shift)));
+    }
+    weigh_all(V, visible, n, D, s, group, job->out + (b * job->T + t) * job->H * D + g * group * D);
+    free(s);
+    free(visible);
+}
+
+static OrtStatus *fail(const char *message) {
+    char text[256];
+    snprintf(text, sizeof text, "specinfer.native TreeAttention: %s", message);
+    return ((CreateStatusFn)api[SLOT_CreateStatus])(ORT_INVALID_ARGUMENT, text);
+}
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    const OrtValue *in[10] = {NULL};
+    for (size_t i = 0; i < 10; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &in[i]);
+    int64_t qd[3], kd[4], cd[2], bd[4], pd[2], sd[1];
+    if (shape_of(in[0], qd, 3) != 3 || shape_of(in[1], kd, 4) != 4 || shape_of(in[5], cd, 2) != 2)
+        return fail("qkv must be [B, T, width], the cache [B, Hkv, S, D], cos [positions, D / 2]");
+    Job job = {0};
+    job.B = (size_t)qd[0], job.T = (size_t)qd[1], job.Hkv = (size_t)kd[1], job.S = (size_t)kd[2], job.D = (size_t)kd[3];
+    if (job.D == 0 || job.D % 16 || job.D > 256 || (size_t)cd[1] * 2 != job.D || kd[0] != qd[0] ||
+        (size_t)qd[2] % job.D || (size_t)qd[2] / job.D <= 2 * job.Hkv)
+        return fail("head size must be a multiple of 16 up to 256, with qkv, cache and cos/sin agreeing");
+    job.H = (size_t)qd[2] / job.D - 2 * job.Hkv;
+    if (job.H % job.Hkv || job.H / job.Hkv > MAX_GROUP) return fail("query heads must be a multiple of KV heads, at most 16 each");
+    if (shape_of(in[3], sd, 1) != 1 || (size_t)sd[0] != job.B) return fail("seqlens_k must be [B]");
+    job.qkv = data_of(in[0]);
+    job.seqlens = data_of(in[3]);
+    job.total = (size_t)*(const int32_t *)data_of(in[4]);
+    job.cos = data_of(in[5]);
+    job.sin = data_of(in[6]);
+    job.scale = *(const float *)data_of(in[9]);
+    if (in[7]) {
+        if (shape_of(in[7], pd, 2) != 2 || (size_t)pd[0] != job.B || (size_t)pd[1] != job.T)
+            return fail("position_ids must be [B, T]");
+        job.positions = data_of(in[7]);
+    }
+    if (in[8]) {
+        if (shape_of(in[8], bd, 4) != 4 || (bd[0] != 1 && (size_t)bd[0] != job.B) || (size_t)bd[2] != job.T ||
+            (size_t)bd[3] != job.total)
+            return fail("attention_bias must be [B or 1, 1, T, total_sequence_length]");
+        job.bias = data_of(in[8]);
+        job.bias_batch = (size_t)bd[0];
+    }
+    if (job.total > job.S) return fail("total_sequence_length exceeds the cache's slots");
+    for (size_t b = 0; b < job.B; b++) {
+        if (job.seqlens[b] + 1 < (int64_t)job.T || (size_t)job.seqlens[b] + 1 > job.total)
+            return fail("seqlens_k must be at least T - 1 and below total_sequence_length");
+        for (size_t t = 0; t < job.T; t++)
+            if (position_of(&job, b, t) >= (size_t)cd[0]) return fail("a position is past the cos/sin tables");
+    }
+    int64_t od[3] = {qd[0], qd[1], (int64_t)(job.H * job.D)};
+    OrtValue *out[3] = {NULL};
+    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, od, 3, &out[0]);
+    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 1, kd, 4, &out[1]);
+    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 2, kd, 4, &out[2]);
+    job.out = data_of(out[0]);
+    job.keys = data_of(out[1]);
+    job.values = data_of(out[2]);
+    const float *past[2] = {data_of(in[1]), data_of(in[2])};
+    float *present[2] = {job.keys, job.values};
+    size_t width = (job.H + 2 * job.Hkv) * job.D, D = job.D;
+    for (size_t b = 0; b < job.B; b++) {
+        size_t P = past_of(&job, b);
+        for (size_t g = 0; g < job.Hkv; g++) {
+            size_t head = (b * job.Hkv + g) * job.S * D;
+            for (int kv = 0; kv < 2; kv++)   /* a present of its own (not bound to the past): the past first */
+                if (present[kv] != past[kv]) memcpy(present[kv] + head, past[kv] + head, P * D * sizeof(float));
+            for (size_t t = 0; t < job.T; t++) {   /* the new tokens' key (rotated) and value */
+                const float *x = job.qkv + (b * job.T + t) * width;
+                size_t pos = position_of(&job, b, t);
+                rotate(x + (job.H + g) * D, job.keys + head + (P + t) * D, job.cos + pos * D / 2, job.sin + pos * D / 2, D);
+                memcpy(job.values + head + (P + t) * D, x + (job.H + job.Hkv + g) * D, D * sizeof(float));
+            }
+        }
+    }
+    if (job.B > 0 && job.T > 0)
+        CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, attend, job.B * job.T * job.Hkv, 0, &job);
+    return NULL;
+}
+
+static void compute_v1(void *kernel, OrtKernelContext *ctx) { (void)kernel; (void)ctx; }   /* never called: V2 is set */
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "TreeAttention"; }
+static int input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 3 || i == 4 ? TYPE_INT32 : i == 7 ? TYPE_INT64 : TYPE_FLOAT;
+}
+static size_t inputs(const OrtCustomOp *op) { (void)op; return 10; }
+static int input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i == 7 || i == 8 ? INPUT_OPTIONAL : INPUT_REQUIRED; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t outputs(const OrtCustomOp *op) { (void)op; return 3; }
+
+OrtCustomOp tree_attention_op = {
+    API_VERSION, stateless_kernel, op_name, op_cpu, input_type, inputs, output_type, outputs, compute_v1,
+    op_destroy, input_kind, op_required, op_default_memory, op_arity, op_homogeneous, op_arity, op_homogeneous,
+    stateless_kernel_v2, compute, NULL, op_start_version, op_end_version, NULL, NULL, NULL, NULL,
+};
