@@ -152,6 +152,13 @@ static void attend(void *data, size_t task) {
 
     uint32_t *visible = malloc(keys * sizeof *visible);
     float *s = malloc((group * keys + 16) * sizeof *s);   /* head-major: s[h * n + i], the i-th visible key */
+    float *out = job->out + (b * job->T + t) * job->H * D + g * group * D;
+    if (visible == NULL || s == NULL) {   /* out of memory: this task's output is NaN, not a crash */
+        for (size_t i = 0; i < group * D; i++) out[i] = NAN;
+        free(s);
+        free(visible);
+        return;
+    }
     size_t n = 0;
     for (size_t j = 0; j < keys; j++)
         if (!bias || bias[j] > MASKED) visible[n++] = (uint32_t)j;
@@ -185,7 +192,7 @@ static void attend(void *data, size_t task) {
         for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
         if (i < n) _mm512_mask_storeu_ps(row + i, tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), shift)));
     }
-    weigh_all(V, visible, n, D, s, group, job->out + (b * job->T + t) * job->H * D + g * group * D);
+    weigh_all(V, visible, n, D, s, group, out);
     free(s);
     free(visible);
 }
