@@ -141,9 +141,7 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
     kept = [init for init in out.graph.initializer if init.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept + [packed[w] for w in weights])
-    if not any(o.domain == DOMAIN for o in out.opset_import):
-        out.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    return out
+    return _import_domain(out)
 
 
 # GroupQueryAttention as the lowering writes it, the only form TreeAttention implements.
@@ -177,9 +175,16 @@ def use_tree_attention(model):
                                     name=node.name, domain=DOMAIN)
         node.CopyFrom(replaced)
     out.graph.initializer.extend(numpy_helper.from_array(np.array(s, np.float32), n) for s, n in scales.items())
-    if not any(o.domain == DOMAIN for o in out.opset_import):
-        out.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    return out
+    return _import_domain(out)
+
+
+def _import_domain(model):
+    """``model`` (a rewrite's copy) importing the native domain, which its new nodes use."""
+    from onnx import helper
+
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
 
 
 def native_ops(model) -> set[str]:
