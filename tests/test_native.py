@@ -195,3 +195,100 @@ def test_tree_attention_refuses_a_sequence_past_its_cache():
     cache = np.zeros((2, 1, 2, 16, 16), np.float32)
     with pytest.raises(Exception, match="total_sequence_length exceeds the cache's slots"):
         _attend(session, cache, np.zeros((1, 4, 128), np.float32), [-1, 0, 1, 2], 14)
+
+
+def _slots_session(heads: int, kv_heads: int, d: int, capacities: list[int]):
+    """One TreeAttentionSlots node over len(capacities) sequences, each with its own cache."""
+    from onnx import TensorProto, helper
+
+    from specinfer.engines.onnxruntime import open_session
+
+    f32, i32, i64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("qkv", f32, [1, "t", (heads + 2 * kv_heads) * d]),
+              helper.make_tensor_value_info("slot_tokens", i64, [len(capacities)]),
+              helper.make_tensor_value_info("position_ids", i64, [1, "t"])]
+    angles = np.outer(np.arange(64), 1.0 / 10000 ** (np.arange(0, d, 2) / d))
+    tables = [helper.make_tensor(name, f32, angles.shape, f(angles).astype(np.float32).ravel())
+              for name, f in (("cos", np.cos), ("sin", np.sin))] + [helper.make_tensor("scale", f32, [], [0.3])]
+    names, outputs = ["qkv", "slot_tokens", "position_ids", "cos", "sin", "scale"], ["out"]
+    for s, capacity in enumerate(capacities):
+        cache = [1, kv_heads, capacity, d]
+        inputs += [helper.make_tensor_value_info(f"past_key.{s}", f32, cache),
+                   helper.make_tensor_value_info(f"past_value.{s}", f32, cache),
+                   helper.make_tensor_value_info(f"seqlens_k.{s}", i32, [1]),
+                   helper.make_tensor_value_info(f"total.{s}", i32, []),
+                   helper.make_tensor_value_info(f"bias.{s}", f32, None)]
+        names += [f"past_key.{s}", f"past_value.{s}", f"seqlens_k.{s}", f"total.{s}", f"bias.{s}"]
+        outputs += [f"present_key.{s}", f"present_value.{s}"]
+    node = helper.make_node(native.SLOTS_OP, names, outputs, domain=native.DOMAIN)
+    model = helper.make_model(helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info(o, f32, None) for o in outputs],
+                                                tables),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(native.DOMAIN, 1)], ir_version=10)
+    return open_session(model.SerializeToString(), libraries=[native.library()])
+
+
+def _tree_feeds(parents: list[int], past: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tree's positions and bias after ``past`` cached tokens."""
+    depth, visible = [], np.eye(len(parents), dtype=bool)
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        if p >= 0:
+            visible[i] |= visible[p]
+    bias = np.zeros((1, 1, len(parents), past + len(parents)), np.float32)
+    bias[0, 0, :, past:][~visible] = np.finfo(np.float32).min
+    return past + np.asarray(depth, np.int64), bias
+
+
+def test_slot_attention_gives_each_sequence_bit_for_bit_what_it_gets_alone():
+    rng = np.random.default_rng(11)
+    heads, kv_heads, d = 6, 2, 64
+    # (parents, cached tokens, capacity): a tree, a one-token step, a chain with no bias (causal)
+    sequences = [([-1, 0, 0, 1, 2], 40, 64), ([-1], 13, 32), ([-1, 0, 1], 20, 48)]
+    single = _attention_session(heads, kv_heads, d, 64, True, True)
+    session = _slots_session(heads, kv_heads, d, [c for _, _, c in sequences])
+    qkvs = [rng.standard_normal((1, len(p), (heads + 2 * kv_heads) * d)).astype(np.float32) for p, _, _ in sequences]
+    caches = [rng.standard_normal((2, 1, kv_heads, c, d)).astype(np.float32) for _, _, c in sequences]
+    feeds = {"qkv": np.concatenate(qkvs, axis=1), "slot_tokens": np.array([len(p) for p, _, _ in sequences], np.int64)}
+    positions = []
+    for s, ((parents, past, _), cache) in enumerate(zip(sequences, caches)):
+        pos, bias = _tree_feeds(parents, past)
+        positions.append(pos)
+        feeds.update({f"past_key.{s}": cache[0], f"past_value.{s}": cache[1],
+                      f"seqlens_k.{s}": np.array([past + len(parents) - 1], np.int32),
+                      f"total.{s}": np.array(past + len(parents), np.int32),
+                      f"bias.{s}": bias if s < 2 else np.zeros(0, np.float32)})   # the last: no bias
+    feeds["position_ids"] = np.concatenate(positions)[None]
+    out, *presents = session.run(None, feeds)
+    row = 0
+    for s, ((parents, past, capacity), cache, qkv) in enumerate(zip(sequences, caches, qkvs)):
+        alone_cache = np.zeros((2, 1, kv_heads, 64, d), np.float32)
+        alone_cache[:, :, :, :capacity] = cache
+        alone = _attend(single, alone_cache, qkv, parents, past)
+        np.testing.assert_array_equal(out[:, row:row + len(parents)], alone)
+        for kv in range(2):   # the past kept, the new rows written as alone
+            np.testing.assert_array_equal(presents[2 * s + kv][0, :, :past + len(parents)], alone_cache[kv, 0, :, :past + len(parents)])
+        row += len(parents)
+    feeds["slot_tokens"] = np.array([5, 1, 2], np.int64)   # one token short of qkv's
+    with pytest.raises(Exception, match="slot_tokens must sum to the tokens of qkv"):
+        session.run(None, feeds)
+
+
+def test_a_batched_graph_attends_every_sequence_in_one_node_a_layer(exported):
+    from specinfer.engines.onnxruntime import OrtRuntime
+    from specinfer.export.ort_lowering import batch_drafter, batch_sequences
+
+    runtime = OrtRuntime(exported["llama3"])
+    layers = runtime.config.num_layers
+    for graph in (batch_sequences(runtime._lowered, 3), batch_drafter(runtime._draft_graph("draft", 2), 3)):
+        rewritten = native.use_slot_attention(native.use_tree_attention(graph))
+        ops = [n.op_type for n in rewritten.graph.node]
+        assert native.ATTENTION_OP not in ops
+        assert ops.count(native.SLOTS_OP) == sum(n.op_type == "GroupQueryAttention" for n in graph.graph.node) // 3
+        before = [n.op_type for n in graph.graph.node]
+        assert before.count("Split") - ops.count("Split") >= ops.count(native.SLOTS_OP) >= layers   # q|k|v's splits gone
+        assert before.count("Concat") - ops.count("Concat") == ops.count(native.SLOTS_OP)
+    seqs = [runtime.start() for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        runtime.prefill(seq, [1, 17, 42, 99, 5][:3 + i])
+    runtime.score_batch([(seq, [7, 9, 11], [-1, 0, 0]) for seq in seqs])
+    assert native.SLOTS_OP in runtime.native_ops

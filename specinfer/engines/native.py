@@ -8,6 +8,9 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
 * ``TreeAttention`` (``kernels/tree_attention.c``) replaces the lowering's GroupQueryAttention:
   the same inputs (but the unused separate key and value) and outputs, the cache read and written
   in place, each query summed over its visible keys in slot order.
+* ``TreeAttentionSlots`` (same file) is a batched graph's attention of many sequences, each on its
+  own cache, in one node a layer, where the batch rewrites run a Split, a TreeAttention per
+  sequence and a Concat (:func:`use_slot_attention`).
 
 Where the library cannot be built (no C compiler, a CPU without AVX-512 and F16C, not Linux
 x86-64) or ``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's own kernels.
@@ -33,6 +36,7 @@ KERNELS = Path(__file__).parent / "kernels"
 DOMAIN = "specinfer.native"
 OP = "MatMulF16W"
 ATTENTION_OP = "TreeAttention"
+SLOTS_OP = "TreeAttentionSlots"
 PANEL = 64                       # weight columns per packed panel (the kernel's PANEL)
 CPU_FLAGS = ("avx512f", "f16c", "fma")
 # MatMuls with no more weights than this stay on ONNX Runtime's: for small ones the kernel's
@@ -176,6 +180,66 @@ def use_tree_attention(model):
         node.CopyFrom(replaced)
     out.graph.initializer.extend(numpy_helper.from_array(np.array(s, np.float32), n) for s, n in scales.items())
     return _import_domain(out)
+
+
+def use_slot_attention(model):
+    """A copy of ``model`` whose per-sequence attentions of a batched graph (a Split of q|k|v by
+    sequence, one ``TreeAttention`` per sequence, a Concat: ``ort_lowering.batch_sequences`` and
+    ``batch_drafter`` after :func:`use_tree_attention`) run as one ``TreeAttentionSlots`` a layer,
+    or ``model`` itself where there are none."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    producer = {out: node for node in model.graph.node for out in node.output}
+    position = {id(node): i for i, node in enumerate(model.graph.node)}
+    fused = {}   # index of a Concat -> (the fused node, the indices of the nodes it replaces)
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "Concat" or node.domain:
+            continue
+        parts = [producer.get(name) for name in node.input]
+        if not parts or not all(p is not None and p.op_type == ATTENTION_OP and p.domain == DOMAIN for p in parts):
+            continue
+        split = producer.get(parts[0].input[0])
+        if (split is None or split.op_type != "Split" or len(split.input) < 2
+                or [p.input[0] for p in parts] != list(split.output)):
+            continue
+        sizes = split.input[1]
+        positions = [p.input[7] if len(p.input) > 7 else "" for p in parts]
+        packed = ""
+        if any(positions):   # the sequences' positions are a Split of the packed ones by the same sizes
+            by = producer.get(positions[0])
+            if (by is None or by.op_type != "Split" or list(by.output) != positions
+                    or len(by.input) < 2 or by.input[1] != sizes):
+                continue
+            packed = by.input[0]
+        first = parts[0]
+        inputs = [split.input[0], sizes, packed, first.input[5], first.input[6], first.input[9]]
+        if any(p.input[5:7] != first.input[5:7] or p.input[9] != first.input[9] for p in parts):
+            continue
+        outputs = [node.output[0]]
+        for p in parts:
+            bias = p.input[8] if len(p.input) > 8 and p.input[8] else _NO_BIAS
+            inputs += [p.input[1], p.input[2], p.input[3], p.input[4], bias]
+            outputs += [p.output[1], p.output[2]]
+        replaced = {position[id(x)] for x in [split, *parts]}
+        fused[index] = (helper.make_node(SLOTS_OP, inputs, outputs, name=f"{node.name}.slots", domain=DOMAIN), replaced)
+    if not fused:
+        return model
+    dropped = set().union(*(r for _, r in fused.values())) | set(fused)
+    nodes = [fused[i][0] if i in fused else n for i, n in enumerate(model.graph.node) if i in fused or i not in dropped]
+    read = {name for n in nodes for name in n.input} | {o.name for o in model.graph.output}
+    # A Split of the positions that no attention reads any more goes too.
+    nodes = [n for n in nodes if n.op_type != "Split" or any(o in read for o in n.output)]
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    if any(_NO_BIAS in n.input for n in nodes):
+        out.graph.initializer.append(numpy_helper.from_array(np.zeros(0, np.float32), _NO_BIAS))
+    return _import_domain(out)
+
+
+_NO_BIAS = "tree_attention_slots.no_bias"   # an empty tensor: that sequence's attention is causal
 
 
 def _import_domain(model):

@@ -209,7 +209,8 @@ class OrtRuntime(Runtime):
         MatMuls by float16-exact weights, and the attention."""
         library = native.library()
         if library is not None:
-            graph = native.use_tree_attention(native.use_f16_weights(graph, self.dir, self._f16_weights))
+            graph = native.use_slot_attention(
+                native.use_tree_attention(native.use_f16_weights(graph, self.dir, self._f16_weights)))
         ops = native.native_ops(graph)
         self.native_ops |= ops
         return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,

@@ -137,8 +137,7 @@ static void weigh_all(const float *V, const uint32_t *visible, size_t n, size_t 
 }
 
 /* One task: token t of sequence b, the query heads of KV head g. */
-static void attend(void *data, size_t task) {
-    const Job *job = (const Job *)data;
+static void attend_task(const Job *job, size_t task) {
     size_t D = job->D, g = task % job->Hkv, t = (task / job->Hkv) % job->T, b = task / (job->Hkv * job->T);
     size_t group = job->H / job->Hkv, width = (job->H + 2 * job->Hkv) * D, keys = past_of(job, b) + t + 1;
     const float *K = job->keys + (b * job->Hkv + g) * job->S * D, *V = job->values + (b * job->Hkv + g) * job->S * D;
@@ -197,10 +196,46 @@ static void attend(void *data, size_t task) {
     free(visible);
 }
 
+static void attend(void *data, size_t task) { attend_task((const Job *)data, task); }
+
 static OrtStatus *fail(const char *message) {
     char text[256];
     snprintf(text, sizeof text, "specinfer.native TreeAttention: %s", message);
     return ((CreateStatusFn)api[SLOT_CreateStatus])(ORT_INVALID_ARGUMENT, text);
+}
+
+/* The job's lengths against its cache and the cos/sin tables (``positions`` rows). */
+static OrtStatus *check(const Job *job, size_t positions) {
+    if (job->total > job->S) return fail("total_sequence_length exceeds the cache's slots");
+    for (size_t b = 0; b < job->B; b++) {
+        if (job->seqlens[b] + 1 < (int64_t)job->T || (size_t)job->seqlens[b] + 1 > job->total)
+            return fail("seqlens_k must be at least T - 1 and below total_sequence_length");
+        for (size_t t = 0; t < job->T; t++)
+            if (position_of(job, b, t) >= positions) return fail("a position is past the cos/sin tables");
+    }
+    return NULL;
+}
+
+/* The new tokens' keys (rotated) and values written at slots P .. P + T - 1 of the presents (the
+ * past copied first where a present is not bound to it). */
+static void store_new(const Job *job, const float *past_key, const float *past_value) {
+    const float *past[2] = {past_key, past_value};
+    float *present[2] = {job->keys, job->values};
+    size_t width = (job->H + 2 * job->Hkv) * job->D, D = job->D;
+    for (size_t b = 0; b < job->B; b++) {
+        size_t P = past_of(job, b);
+        for (size_t g = 0; g < job->Hkv; g++) {
+            size_t head = (b * job->Hkv + g) * job->S * D;
+            for (int kv = 0; kv < 2; kv++)
+                if (present[kv] != past[kv]) memcpy(present[kv] + head, past[kv] + head, P * D * sizeof(float));
+            for (size_t t = 0; t < job->T; t++) {
+                const float *x = job->qkv + (b * job->T + t) * width;
+                size_t pos = position_of(job, b, t);
+                rotate(x + (job->H + g) * D, job->keys + head + (P + t) * D, job->cos + pos * D / 2, job->sin + pos * D / 2, D);
+                memcpy(job->values + head + (P + t) * D, x + (job->H + job->Hkv + g) * D, D * sizeof(float));
+            }
+        }
+    }
 }
 
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
@@ -236,13 +271,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
         job.bias = data_of(in[8]);
         job.bias_batch = (size_t)bd[0];
     }
-    if (job.total > job.S) return fail("total_sequence_length exceeds the cache's slots");
-    for (size_t b = 0; b < job.B; b++) {
-        if (job.seqlens[b] + 1 < (int64_t)job.T || (size_t)job.seqlens[b] + 1 > job.total)
-            return fail("seqlens_k must be at least T - 1 and below total_sequence_length");
-        for (size_t t = 0; t < job.T; t++)
-            if (position_of(&job, b, t) >= (size_t)cd[0]) return fail("a position is past the cos/sin tables");
-    }
+    OrtStatus *bad = check(&job, (size_t)cd[0]);
+    if (bad) return bad;
     int64_t od[3] = {qd[0], qd[1], (int64_t)(job.H * job.D)};
     OrtValue *out[3] = {NULL};
     CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, od, 3, &out[0]);
@@ -251,23 +281,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     job.out = data_of(out[0]);
     job.keys = data_of(out[1]);
     job.values = data_of(out[2]);
-    const float *past[2] = {data_of(in[1]), data_of(in[2])};
-    float *present[2] = {job.keys, job.values};
-    size_t width = (job.H + 2 * job.Hkv) * job.D, D = job.D;
-    for (size_t b = 0; b < job.B; b++) {
-        size_t P = past_of(&job, b);
-        for (size_t g = 0; g < job.Hkv; g++) {
-            size_t head = (b * job.Hkv + g) * job.S * D;
-            for (int kv = 0; kv < 2; kv++)   /* a present of its own (not bound to the past): the past first */
-                if (present[kv] != past[kv]) memcpy(present[kv] + head, past[kv] + head, P * D * sizeof(float));
-            for (size_t t = 0; t < job.T; t++) {   /* the new tokens' key (rotated) and value */
-                const float *x = job.qkv + (b * job.T + t) * width;
-                size_t pos = position_of(&job, b, t);
-                rotate(x + (job.H + g) * D, job.keys + head + (P + t) * D, job.cos + pos * D / 2, job.sin + pos * D / 2, D);
-                memcpy(job.values + head + (P + t) * D, x + (job.H + job.Hkv + g) * D, D * sizeof(float));
-            }
-        }
-    }
+    store_new(&job, data_of(in[1]), data_of(in[2]));
     if (job.B > 0 && job.T > 0)
         CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, attend, job.B * job.T * job.Hkv, 0, &job);
     return NULL;
@@ -288,4 +302,149 @@ OrtCustomOp tree_attention_op = {
     API_VERSION, stateless_kernel, op_name, op_cpu, input_type, inputs, output_type, outputs, compute_v1,
     op_destroy, input_kind, op_required, op_default_memory, op_arity, op_homogeneous, op_arity, op_homogeneous,
     stateless_kernel_v2, compute, NULL, op_start_version, op_end_version, NULL, NULL, NULL, NULL,
+};
+
+/* TreeAttentionSlots: the attention of n sequences' new tokens in one call, each sequence on its
+ * own cache: what a batched graph ran as a Split of q|k|v by sequence, one TreeAttention per
+ * sequence and a Concat (ort_lowering.batch_sequences), without their 2 + n kernels a layer, and
+ * with every sequence's tasks shared out over the pool at once (16 one-token sequences gave each
+ * of the 16 calls 2 tasks).
+ *
+ * Inputs: qkv [1, T1 + ... + Tn, width]; slot_tokens int64 [n] (T1 .. Tn); optional position_ids
+ * int64 [1, T1 + ... + Tn]; cos, sin; scale; then per sequence s: past_key, past_value
+ * [1, Hkv, S_s, D], seqlens_k int32 [1], total_sequence_length int32, attention_bias
+ * [1, 1, T_s, total_s] or an empty tensor (causal). Outputs: attention [1, T1 + ... + Tn, H D],
+ * then per sequence its present key and value. Each sequence gets bit for bit what TreeAttention
+ * gives it alone. */
+#define SLOT_INPUTS 5
+#define FIXED_INPUTS 6
+
+typedef struct {
+    Job *jobs;
+    size_t *first;   /* first[s]: sequence s's first task; first[n]: every task */
+    size_t n;
+} Slots;
+
+static void attend_slot(void *data, size_t task) {
+    const Slots *slots = (const Slots *)data;
+    size_t lo = 0, hi = slots->n;   /* the s with first[s] <= task < first[s + 1] */
+    while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (slots->first[mid] <= task) lo = mid; else hi = mid;
+    }
+    attend_task(&slots->jobs[lo], task - slots->first[lo]);
+}
+
+static OrtStatus *compute_slots(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    const OrtValue *in[FIXED_INPUTS] = {NULL};
+    for (size_t i = 0; i < FIXED_INPUTS; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &in[i]);
+    int64_t qd[3], nd[1], cd[2], pd[2];
+    if (shape_of(in[0], qd, 3) != 3 || qd[0] != 1 || shape_of(in[1], nd, 1) != 1 || shape_of(in[3], cd, 2) != 2)
+        return fail("qkv must be [1, tokens, width], slot_tokens [n], cos [positions, D / 2]");
+    size_t n = (size_t)nd[0], D = (size_t)cd[1] * 2, tokens = (size_t)qd[1];
+    const int64_t *sizes = data_of(in[1]);
+    const int64_t *positions = NULL;
+    if (in[2]) {
+        if (shape_of(in[2], pd, 2) != 2 || pd[0] != 1 || (size_t)pd[1] != tokens) return fail("position_ids must be [1, tokens]");
+        positions = data_of(in[2]);
+    }
+    if (D == 0 || D % 16 || D > 256 || (size_t)qd[2] % D) return fail("head size must be a multiple of 16 up to 256");
+    Job *jobs = calloc(n ? n : 1, sizeof *jobs);
+    size_t *first = malloc((n + 1) * sizeof *first);
+    OrtStatus *bad = NULL;
+    if (jobs == NULL || first == NULL) { bad = fail("out of memory"); goto done; }
+    int64_t od[3] = {1, qd[1], 0};
+    size_t row = 0;
+    first[0] = 0;
+    for (size_t s = 0; s < n && !bad; s++) {
+        const OrtValue *v[SLOT_INPUTS] = {NULL};
+        for (size_t i = 0; i < SLOT_INPUTS; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, FIXED_INPUTS + SLOT_INPUTS * s + i, &v[i]);
+        int64_t kd[4], sd[1], bd[4];
+        if (v[4] == NULL) { bad = fail("each sequence needs past_key, past_value, seqlens_k, total_sequence_length and attention_bias"); break; }
+        if (sizes[s] < 1 || row + (size_t)sizes[s] > tokens) { bad = fail("slot_tokens must be positive and sum to the tokens of qkv"); break; }
+        if (shape_of(v[0], kd, 4) != 4 || kd[0] != 1 || (size_t)kd[3] != D || shape_of(v[2], sd, 1) != 1 || sd[0] != 1) {
+            bad = fail("a sequence's cache must be [1, Hkv, S, D] and its seqlens_k [1]");
+            break;
+        }
+        Job *job = &jobs[s];
+        job->B = 1, job->T = (size_t)sizes[s], job->Hkv = (size_t)kd[1], job->S = (size_t)kd[2], job->D = D;
+        if (job->Hkv == 0 || (size_t)qd[2] / D <= 2 * job->Hkv) { bad = fail("qkv's width must hold the query, key and value heads"); break; }
+        job->H = (size_t)qd[2] / D - 2 * job->Hkv;
+        if (job->H % job->Hkv || job->H / job->Hkv > MAX_GROUP) { bad = fail("query heads must be a multiple of KV heads, at most 16 each"); break; }
+        job->qkv = (const float *)data_of(in[0]) + row * qd[2];
+        job->positions = positions ? positions + row : NULL;
+        job->cos = data_of(in[3]);
+        job->sin = data_of(in[4]);
+        job->scale = *(const float *)data_of(in[5]);
+        job->seqlens = data_of(v[2]);
+        job->total = (size_t)*(const int32_t *)data_of(v[3]);
+        size_t rank = shape_of(v[4], bd, 4);
+        if (!(rank == 1 && bd[0] == 0)) {   /* an empty tensor: no bias */
+            if (rank != 4 || bd[0] != 1 || (size_t)bd[2] != job->T || (size_t)bd[3] != job->total) {
+                bad = fail("a sequence's attention_bias must be [1, 1, T, total_sequence_length] or empty");
+                break;
+            }
+            job->bias = data_of(v[4]);
+            job->bias_batch = 1;
+        }
+        bad = check(job, (size_t)cd[0]);
+        od[2] = (int64_t)(job->H * D);
+        row += job->T;
+        first[s + 1] = first[s] + job->T * job->Hkv;
+    }
+    if (!bad && row != tokens) bad = fail("slot_tokens must sum to the tokens of qkv");
+    if (!bad && n > 1)
+        for (size_t s = 1; s < n; s++)
+            if (jobs[s].H != jobs[0].H) { bad = fail("every sequence must have the same heads"); break; }
+    if (bad) goto done;
+    OrtValue *out = NULL;
+    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, od, 3, &out);
+    float *attn = data_of(out);
+    row = 0;
+    for (size_t s = 0; s < n; s++) {
+        Job *job = &jobs[s];
+        const OrtValue *past[2] = {NULL, NULL};
+        OrtValue *present[2] = {NULL, NULL};
+        int64_t kd[4];
+        for (int kv = 0; kv < 2; kv++) {
+            CALL(KernelContext_GetInput, GetInputFn)(ctx, FIXED_INPUTS + SLOT_INPUTS * s + kv, &past[kv]);
+            shape_of(past[kv], kd, 4);
+            CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 1 + 2 * s + kv, kd, 4, &present[kv]);
+        }
+        job->out = attn + row * job->H * D;
+        job->keys = data_of(present[0]);
+        job->values = data_of(present[1]);
+        store_new(job, data_of(past[0]), data_of(past[1]));
+        row += job->T;
+    }
+    Slots slots = {jobs, first, n};
+    if (n > 0) CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, attend_slot, first[n], 0, &slots);
+done:
+    free(first);
+    free(jobs);
+    return bad;
+}
+
+static const char *slots_name(const OrtCustomOp *op) { (void)op; return "TreeAttentionSlots"; }
+static int slots_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 1 || i == 2 ? TYPE_INT64 : i == FIXED_INPUTS ? TYPE_UNDEFINED : TYPE_FLOAT;
+}
+static size_t slots_inputs(const OrtCustomOp *op) { (void)op; return FIXED_INPUTS + 1; }
+static int slots_input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 2 ? INPUT_OPTIONAL : i == FIXED_INPUTS ? INPUT_VARIADIC : INPUT_REQUIRED;
+}
+static int slots_outputs_kind(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? INPUT_VARIADIC : INPUT_REQUIRED; }
+static size_t slots_outputs(const OrtCustomOp *op) { (void)op; return 2; }
+static int slot_arity(const OrtCustomOp *op) { (void)op; return SLOT_INPUTS; }
+static int heterogeneous(const OrtCustomOp *op) { (void)op; return 0; }
+static int present_arity(const OrtCustomOp *op) { (void)op; return 2; }
+
+OrtCustomOp tree_attention_slots_op = {
+    API_VERSION, stateless_kernel, slots_name, op_cpu, slots_input_type, slots_inputs, output_type, slots_outputs,
+    compute_v1, op_destroy, slots_input_kind, slots_outputs_kind, op_default_memory, slot_arity, heterogeneous,
+    present_arity, op_homogeneous, stateless_kernel_v2, compute_slots, NULL, op_start_version, op_end_version,
+    NULL, NULL, NULL, NULL,
 };
