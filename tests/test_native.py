@@ -205,7 +205,7 @@ def _slots_session(heads: int, kv_heads: int, d: int, capacities: list[int]):
 
     f32, i32, i64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
     inputs = [helper.make_tensor_value_info("qkv", f32, [1, "t", (heads + 2 * kv_heads) * d]),
-              helper.make_tensor_value_info("slot_tokens", i64, [len(capacities)]),
+              helper.make_tensor_value_info("slot_tokens", i64, ["n"]),
               helper.make_tensor_value_info("position_ids", i64, [1, "t"])]
     angles = np.outer(np.arange(64), 1.0 / 10000 ** (np.arange(0, d, 2) / d))
     tables = [helper.make_tensor(name, f32, angles.shape, f(angles).astype(np.float32).ravel())
@@ -270,6 +270,9 @@ def test_slot_attention_gives_each_sequence_bit_for_bit_what_it_gets_alone():
         row += len(parents)
     feeds["slot_tokens"] = np.array([5, 1, 2], np.int64)   # one token short of qkv's
     with pytest.raises(Exception, match="slot_tokens must sum to the tokens of qkv"):
+        session.run(None, feeds)
+    feeds["slot_tokens"] = np.array([5, 1, 1, 1], np.int64)   # a sequence the node has no inputs for
+    with pytest.raises(Exception, match="slot_tokens must name one sequence for each group"):
         session.run(None, feeds)
 
 

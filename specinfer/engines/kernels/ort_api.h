@@ -31,6 +31,7 @@ enum {
     SLOT_GetDimensionsCount = 61,
     SLOT_GetDimensions = 62,
     SLOT_GetTensorTypeAndShape = 65,
+    SLOT_KernelContext_GetInputCount = 88,
     SLOT_KernelContext_GetInput = 90,
     SLOT_KernelContext_GetOutput = 91,
     SLOT_ReleaseTensorTypeAndShapeInfo = 99,

@@ -350,6 +350,9 @@ static OrtStatus *compute_slots(void *kernel, OrtKernelContext *ctx) {
         positions = data_of(in[2]);
     }
     if (D == 0 || D % 16 || D > 256 || (size_t)qd[2] % D) return fail("head size must be a multiple of 16 up to 256");
+    size_t count = 0;
+    CALL(KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(ctx, &count);
+    if (count != FIXED_INPUTS + SLOT_INPUTS * n) return fail("slot_tokens must name one sequence for each group of sequence inputs");
     Job *jobs = calloc(n ? n : 1, sizeof *jobs);
     size_t *first = malloc((n + 1) * sizeof *first);
     OrtStatus *bad = NULL;
@@ -361,7 +364,6 @@ static OrtStatus *compute_slots(void *kernel, OrtKernelContext *ctx) {
         const OrtValue *v[SLOT_INPUTS] = {NULL};
         for (size_t i = 0; i < SLOT_INPUTS; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, FIXED_INPUTS + SLOT_INPUTS * s + i, &v[i]);
         int64_t kd[4], sd[1], bd[4];
-        if (v[4] == NULL) { bad = fail("each sequence needs past_key, past_value, seqlens_k, total_sequence_length and attention_bias"); break; }
         if (sizes[s] < 1 || row + (size_t)sizes[s] > tokens) { bad = fail("slot_tokens must be positive and sum to the tokens of qkv"); break; }
         if (shape_of(v[0], kd, 4) != 4 || kd[0] != 1 || (size_t)kd[3] != D || shape_of(v[2], sd, 1) != 1 || sd[0] != 1) {
             bad = fail("a sequence's cache must be [1, Hkv, S, D] and its seqlens_k [1]");
