@@ -190,16 +190,17 @@ def use_slot_attention(model):
     import onnx
     from onnx import helper, numpy_helper
 
-    producer = {out: node for node in model.graph.node for out in node.output}
-    position = {id(node): i for i, node in enumerate(model.graph.node)}
+    graph_nodes = list(model.graph.node)
+    made_by = {out: i for i, node in enumerate(graph_nodes) for out in node.output}   # value -> its node's index
+    producer = lambda name: graph_nodes[made_by[name]] if name in made_by else None
     fused = {}   # index of a Concat -> (the fused node, the indices of the nodes it replaces)
-    for index, node in enumerate(model.graph.node):
+    for index, node in enumerate(graph_nodes):
         if node.op_type != "Concat" or node.domain:
             continue
-        parts = [producer.get(name) for name in node.input]
+        parts = [producer(name) for name in node.input]
         if not parts or not all(p is not None and p.op_type == ATTENTION_OP and p.domain == DOMAIN for p in parts):
             continue
-        split = producer.get(parts[0].input[0])
+        split = producer(parts[0].input[0])
         if (split is None or split.op_type != "Split" or len(split.input) < 2
                 or [p.input[0] for p in parts] != list(split.output)):
             continue
@@ -207,7 +208,7 @@ def use_slot_attention(model):
         positions = [p.input[7] if len(p.input) > 7 else "" for p in parts]
         packed = ""
         if any(positions):   # the sequences' positions are a Split of the packed ones by the same sizes
-            by = producer.get(positions[0])
+            by = producer(positions[0])
             if (by is None or by.op_type != "Split" or list(by.output) != positions
                     or len(by.input) < 2 or by.input[1] != sizes):
                 continue
@@ -221,12 +222,12 @@ def use_slot_attention(model):
             bias = p.input[8] if len(p.input) > 8 and p.input[8] else _NO_BIAS
             inputs += [p.input[1], p.input[2], p.input[3], p.input[4], bias]
             outputs += [p.output[1], p.output[2]]
-        replaced = {position[id(x)] for x in [split, *parts]}
+        replaced = {made_by[split.output[0]]} | {made_by[p.output[0]] for p in parts}
         fused[index] = (helper.make_node(SLOTS_OP, inputs, outputs, name=f"{node.name}.slots", domain=DOMAIN), replaced)
     if not fused:
         return model
     dropped = set().union(*(r for _, r in fused.values())) | set(fused)
-    nodes = [fused[i][0] if i in fused else n for i, n in enumerate(model.graph.node) if i in fused or i not in dropped]
+    nodes = [fused[i][0] if i in fused else n for i, n in enumerate(graph_nodes) if i in fused or i not in dropped]
     read = {name for n in nodes for name in n.input} | {o.name for o in model.graph.output}
     # A Split of the positions that no attention reads any more goes too.
     nodes = [n for n in nodes if n.op_type != "Split" or any(o in read for o in n.output)]
