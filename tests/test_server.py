@@ -282,6 +282,11 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     # some before the cancel and the rest after.
     end = tokens_emitted(triton_server, counter)
     cancelled, after_cancel = end - before - alone, end - at_cancel[0] - alone
+    if at_cancel[0] - before - alone >= long:
+        # The request had emitted all its tokens before the client saw its first piece and
+        # cancelled (on the native kernels a fused incremental run of 8 tokens takes ~5 ms, so 200
+        # tokens take ~0.15 s, under a loaded CI client's 0.3-0.4 s): there is no cancel to count.
+        pytest.skip(f"the request ended before the client's cancel ({at_cancel[0] - before - alone:.0f} tokens)")
     assert cancelled < long and after_cancel < 0.5 * long, (cancelled, after_cancel, alone, freed_after)
 
 
