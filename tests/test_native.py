@@ -20,7 +20,7 @@ def _session(weights: np.ndarray, k: int):
     node = helper.make_node(native.OP, ["a", "w"], ["c"], domain=native.DOMAIN)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, "m", k])],
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(native.pack_f16w(weights), "w")])
+                              [numpy_helper.from_array(native.pack_panels(weights), "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native.DOMAIN, 1)])
     return open_session(model.SerializeToString(), libraries=[native.library()])
 
@@ -295,3 +295,114 @@ def test_a_batched_graph_attends_every_sequence_in_one_node_a_layer(exported):
         runtime.prefill(seq, [1, 17, 42, 99, 5][:3 + i])
     runtime.score_batch([(seq, [7, 9, 11], [-1, 0, 0]) for seq in seqs])
     assert native.SLOTS_OP in runtime.native_ops
+
+
+@pytest.fixture(scope="module")
+def vocab_export(tmp_path_factory, checkpoints):
+    """The llama3 checkpoint with a draft vocabulary of 100 tokens, exported."""
+    import shutil
+
+    from specinfer.export import export_model
+    from specinfer.export.draft_vocab import write_draft_vocab
+
+    root = tmp_path_factory.mktemp("native_vocab")
+    ckpt = shutil.copytree(checkpoints["llama3"], root / "ckpt")
+    write_draft_vocab(ckpt, np.random.default_rng(3).choice(np.arange(3, 320), 100, replace=False).tolist(), "a test's")
+    return export_model(ckpt, root / "onnx", max_context=256, progress=False).out_dir
+
+
+def _drafts(onnx_dir, graph_drafter: bool, monkeypatch, calls):
+    """Each (step-0 tokens, depth, sampled) call's ChainDraft after the same prompt, and the KV cache
+    after it, from a fresh OrtRuntime whose drafter is the DraftChain node or (``graph_drafter``) the graph."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+
+    with monkeypatch.context() as m:
+        if graph_drafter:
+            m.setattr(native, "DRAFT_CHAIN_MAX_WEIGHTS", -1)
+        runtime = OrtRuntime(onnx_dir)
+        out = []
+        for i, (tokens, depth, sampled) in enumerate(calls):
+            seq = runtime.start()
+            runtime.prefill(seq, [1, 17, 42, 99, 5, 23, 8, 61, 9, 14][: 4 + i])
+            noise = np.random.default_rng(i).gumbel(size=(depth, runtime.draft_candidates)).astype(np.float32) \
+                if sampled else None
+            draft = runtime.draft_chain(seq, tokens, depth, noise)
+            state = runtime._get(seq)
+            out.append((draft, state.kv[..., :state.length + state.pending, :].copy()))
+            runtime.release(seq)
+    assert ({"DraftChain", "DraftChainSampled"} & runtime.native_ops) == (set() if graph_drafter else
+                                                                         {"DraftChain", "DraftChainSampled"})
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "draft_vocab"])
+def test_the_native_drafter_drafts_what_the_drafter_graph_does(family, exported, vocab_export, monkeypatch):
+    """Greedy and sampled chains, cut short and full, after one step-0 token or several: the same
+    tokens, their probabilities (or candidates' logits) to float rounding, the same cache rows.
+    qwen2 has a q|k|v bias; the draft vocabulary makes the head score 100 tokens."""
+    onnx_dir = vocab_export if family == "draft_vocab" else exported[family]
+    calls = [([7], 1, False), ([7, 8, 9, 10], 3, False), ([11], 8, False), ([12, 13, 14], 8, False),
+             ([7], 1, True), ([15, 16], 4, True), ([17], 8, True)]
+    node, graph = (_drafts(onnx_dir, g, monkeypatch, calls) for g in (False, True))
+    for (a, cache_a), (b, cache_b), (_, depth, sampled) in zip(node, graph, calls):
+        assert a.tokens == b.tokens and len(a.tokens) == depth
+        if sampled:
+            assert [c.tolist() for c in a.candidates] == [c.tolist() for c in b.candidates]
+            np.testing.assert_allclose(np.array(a.candidate_logits), np.array(b.candidate_logits), rtol=1e-4, atol=1e-4)
+        else:
+            assert a.runner_up == b.runner_up
+            np.testing.assert_allclose(a.probability + a.runner_up_probability,
+                                       b.probability + b.runner_up_probability, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(cache_a, cache_b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_native_drafter_names_a_bad_input(exported):
+    from specinfer.engines.onnxruntime import OrtRuntime
+
+    runtime = OrtRuntime(exported["llama3"])
+    seq = runtime.start()
+    runtime.prefill(seq, [1, 17, 42])
+    runtime.draft_chain(seq, [7], 3)
+    binding = runtime._get(seq).bindings["draft", 3]
+    binding.feed("input_ids", np.array([[runtime.vocab_size + 5]]))   # past the runtime's own check
+    with pytest.raises(Exception, match="DraftChain: a token id is outside the vocabulary"):
+        binding.session.run_with_iobinding(binding.io)
+    binding.set("seqlens_k", 1000)
+    binding.feed("input_ids", np.array([[7]]))
+    with pytest.raises(Exception, match="DraftChain: seqlens_k must be total_sequence_length - 1"):
+        binding.session.run_with_iobinding(binding.io)
+
+
+def test_a_large_models_drafter_stays_a_graph_on_the_pool(exported, monkeypatch):
+    """The LLM drafting its own chain (incremental decoding) keeps its graph: the node runs on one thread."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+
+    monkeypatch.setattr(native, "DRAFT_CHAIN_MAX_WEIGHTS", 1000)
+    runtime = OrtRuntime(exported["llama3"])
+    seq = runtime.start()
+    runtime.prefill(seq, [1, 17, 42])
+    runtime.draft_chain(seq, [7], 3)
+    assert "DraftChain" not in runtime.native_ops and native.ATTENTION_OP in runtime.native_ops
+
+
+def test_a_batched_drafter_becomes_one_node_that_drafts_each_sequence_as_alone(exported):
+    from specinfer.engines.onnxruntime import OrtRuntime
+    from specinfer.export.ort_lowering import batch_drafter
+
+    runtime = OrtRuntime(exported["llama3"])
+    for kind in ("draft", "sampled_draft"):
+        batched = native.use_draft_chain(batch_drafter(runtime._draft_graph(kind, 3), 4), runtime.dir, {})
+        assert [n.op_type for n in batched.graph.node] == [native.DRAFT_OPS["draft_mass" if kind == "draft" else "draft_choice"]]
+    prompts = [[1, 17, 42, 99], [1, 5, 23, 8, 61, 9], [1, 14]]
+    calls = [([7], 3), ([8, 9], 2), ([10, 11, 12], 3)]
+    drafts = []
+    for together in (True, False):
+        seqs = [runtime.start() for _ in prompts]
+        for seq, prompt in zip(seqs, prompts):
+            runtime.prefill(seq, prompt)
+        chains = [(seq, tokens, depth, None) for seq, (tokens, depth) in zip(seqs, calls)]
+        drafts.append(runtime.draft_chains(chains) if together else [runtime.draft_chain(*c) for c in chains])
+        for seq in seqs:
+            runtime.release(seq)
+    assert runtime.batch_drafters == [("draft", 3, 3)] and "DraftChain" in runtime.native_ops
+    assert drafts[0] == drafts[1]   # bit for bit: the same computation per sequence

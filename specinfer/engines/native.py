@@ -11,6 +11,9 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
 * ``TreeAttentionSlots`` (same file) is a batched graph's attention of many sequences, each on its
   own cache, in one node a layer, where the batch rewrites run a Split, a TreeAttention per
   sequence and a Concat (:func:`use_slot_attention`).
+* ``DraftChain`` and ``DraftChainSampled`` (``kernels/draft_chain.c``) run a whole single-sequence
+  drafter (``ort_lowering.lower_drafter``) as one node, where its graph runs ~27 kernels a step
+  (:func:`use_draft_chain`).
 
 Where the library cannot be built (no C compiler, a CPU without AVX-512 and F16C, not Linux
 x86-64) or ``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's own kernels.
@@ -37,12 +40,18 @@ DOMAIN = "specinfer.native"
 OP = "MatMulF16W"
 ATTENTION_OP = "TreeAttention"
 SLOTS_OP = "TreeAttentionSlots"
+DRAFT_OPS = {"draft_mass": "DraftChain", "draft_choice": "DraftChainSampled"}   # by the drafter's last output
 PANEL = 64                       # weight columns per packed panel (the kernel's PANEL)
 CPU_FLAGS = ("avx512f", "f16c", "fma")
 # MatMuls with no more weights than this stay on ONNX Runtime's: for small ones the kernel's
 # hand-out over the thread pool costs more than their weights' traffic (SSM 1's drafter, whose
 # largest weight has 64 x 2048 values: 397 us a call native against 370, 300 calls each).
 MIN_WEIGHT_VALUES = 1 << 17
+# A drafter runs as one DraftChain node only if its matrices hold no more values than this: the node
+# runs on one thread, ~4 MFLOP a token at this size, where a larger model's graph (an LLM drafting
+# its own chain for incremental decoding) shares its MatMuls over the pool. The embedded LLM's own
+# chain on the node took 2.6x as long.
+DRAFT_CHAIN_MAX_WEIGHTS = 1 << 21
 
 
 def _cpu_flags() -> set[str]:
@@ -95,10 +104,13 @@ def library() -> Path | None:
     return out
 
 
-def pack_f16w(weights: np.ndarray) -> np.ndarray:
-    """A [K, N] float16 weight as the kernel reads it: panels of 64 columns, [N / 64, K, 64]."""
+def pack_panels(weights: np.ndarray) -> np.ndarray:
+    """A [K, N] weight as the native kernels read it: panels of 64 columns, [ceil(N / 64), K, 64],
+    the last padded with zeros."""
     k, n = weights.shape
-    return np.ascontiguousarray(weights.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+    padded = np.zeros((k, -(-n // PANEL) * PANEL), weights.dtype)
+    padded[:, :n] = weights
+    return np.ascontiguousarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
 
 
 def f16_exact(weights: np.ndarray) -> np.ndarray | None:
@@ -128,7 +140,7 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
                     and init.dims[0] * init.dims[1] > MIN_WEIGHT_VALUES):
                 half = f16_exact(numpy_helper.to_array(init, base_dir=str(weights_dir)))
                 if half is not None:
-                    packed[name] = numpy_helper.from_array(pack_f16w(half), f"{name}.f16w")
+                    packed[name] = numpy_helper.from_array(pack_panels(half), f"{name}.f16w")
         if packed[name] is not None:
             chosen.append(index)
     if not chosen:
@@ -241,6 +253,80 @@ def use_slot_attention(model):
 
 
 _NO_BIAS = "tree_attention_slots.no_bias"   # an empty tensor: that sequence's attention is causal
+
+
+def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
+    """A drafter (``ort_lowering.lower_drafter``, maybe cut by ``truncate_drafter``, for one sequence
+    or several by ``batch_drafter``) as one ``DraftChain`` (greedy) or ``DraftChainSampled`` node on
+    the same inputs, outputs and weights; ``model`` itself where it is no such drafter, is larger
+    than :data:`DRAFT_CHAIN_MAX_WEIGHTS` or has biases the op lacks (only the q|k|v projection's
+    is taken). Its draft is the graph's up to float rounding (the same sums in another order), and a
+    sequence's is bit for bit the same alone and in a batch. ``packed``: weight name -> its
+    panels (:func:`pack_panels`), filled and reused across the sessions of one export."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from ..export.ort_lowering import drafter_present_names
+
+    g = model.graph
+    inputs, outputs = [i.name for i in g.input], [o.name for o in g.output]
+    op = DRAFT_OPS.get(outputs[2] if len(outputs) > 2 else "")
+    if outputs[:1] != ["draft_tokens"] or op is None:
+        return model
+    batched = "slot_tokens" in inputs
+    suffixes = [f".{s}" for s in range(sum(n.startswith("seqlens_k.") for n in inputs))] if batched else [""]
+    layers = sum(name.startswith("past_key.") for name in inputs) // max(len(suffixes), 1)
+    inits = {init.name for init in g.initializer}
+    attrs = {(n.op_type, a.name): helper.get_attribute_value(a) for n in g.node for a in n.attribute}
+    eps, scale = attrs.get(("SimplifiedLayerNormalization", "epsilon")), attrs.get(("GroupQueryAttention", "scale"))
+    vocab = "draft_vocab" if "draft_vocab" in inits else ""
+    rows = "embed_tokens.draft_vocab" if "embed_tokens.draft_vocab" in inits else "embed_tokens"
+    head = "lm_head.draft_vocab" if vocab else "lm_head"
+    shared = ["cos_cache", "sin_cache", "embed_tokens", rows, head, "final_norm"]
+    weights = [[f"layers.{i}.input_norm", f"layers.{i}.qkv.weight", f"layers.{i}.qkv.bias", f"layers.{i}.o_proj.weight",
+                f"layers.{i}.post_norm", f"layers.{i}.gate_up.weight", f"layers.{i}.down.weight"] for i in range(layers)]
+    per_sequence = [[f"seqlens_k{x}", f"total_sequence_length{x}"]
+                    + [f"past_{kv}.{i}{x}" for i in range(layers) for kv in ("key", "value")] for x in suffixes]
+    needed = set(shared) | {name for layer in weights for name in layer if not name.endswith(".bias")}
+    biases = {name for name in inits if name.endswith(".bias")}
+    if (not layers or not suffixes or eps is None or scale is None or not needed <= inits
+            or not {name for seq in per_sequence for name in seq} <= set(inputs)
+            or biases - {f"layers.{i}.qkv.bias" for i in range(layers)}):
+        return model
+    by_name = {init.name: init for init in g.initializer}
+    matrices = [head] + [name for layer in weights for name in layer if name.endswith(".weight")]
+    if sum(int(np.prod(by_name[name].dims)) for name in matrices) > DRAFT_CHAIN_MAX_WEIGHTS:
+        return model
+    for name in matrices:
+        if name not in packed:
+            packed[name] = numpy_helper.from_array(
+                pack_panels(numpy_helper.to_array(by_name[name], base_dir=str(weights_dir))), f"{name}.panels")
+    depth = g.output[0].type.tensor_type.shape.dim[1].dim_value // len(suffixes)
+    width, ffn = by_name["layers.0.qkv.weight"].dims[1], by_name["layers.0.gate_up.weight"].dims[1] // 2
+    k = g.output[0].type.tensor_type.shape.dim[2].dim_value
+    constants = {"draft_chain.config": np.array([layers, depth, k, by_name[head].dims[1], width, ffn], np.int64),
+                 "draft_chain.numbers": np.array([eps, scale], np.float32),
+                 "draft_chain.none": np.zeros(0, np.float32), "draft_chain.no_vocab": np.zeros(0, np.int64)}
+    panel = lambda name: f"{name}.panels" if name in matrices else name if name in inits else "draft_chain.none"
+    presents = [name + x for x in suffixes for step in drafter_present_names(layers, depth) for name in step]
+    node = helper.make_node(
+        op, ["input_ids", "slot_tokens" if batched else "", "draft_chain.config", "draft_chain.numbers",
+             *map(panel, shared), vocab or "draft_chain.no_vocab", *[panel(n) for layer in weights for n in layer],
+             *[name for seq in per_sequence for name in seq], *[n for n in inputs if n.startswith("draft_noise.")]],
+        outputs[:3] + presents, name="draft_chain", domain=DOMAIN)
+    if set(presents) != set(outputs[3:]):
+        return model
+    read = set(node.input)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.append(node)
+    kept = [init for init in out.graph.initializer if init.name in read]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept + [packed[name] for name in matrices]
+                                 + [numpy_helper.from_array(v, k) for k, v in constants.items() if k in read])
+    del out.graph.value_info[:]
+    return _import_domain(out)
 
 
 def _import_domain(model):

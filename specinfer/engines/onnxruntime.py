@@ -182,6 +182,7 @@ class OrtRuntime(Runtime):
         super().__init__(config, min(max_context or limit, limit))
         self.threads = threads   # None: the process's shared pool
         self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
+        self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
         self.native_ops: set[str] = set()   # the native ops its sessions run (set by _open)
@@ -209,6 +210,7 @@ class OrtRuntime(Runtime):
         MatMuls by float16-exact weights, and the attention."""
         library = native.library()
         if library is not None:
+            graph = native.use_draft_chain(graph, self.dir, self._draft_panels)
             graph = native.use_slot_attention(
                 native.use_tree_attention(native.use_f16_weights(graph, self.dir, self._f16_weights)))
         ops = native.native_ops(graph)

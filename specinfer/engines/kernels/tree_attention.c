@@ -26,29 +26,10 @@
 #include <string.h>
 
 #include "ort_api.h"
+#include "tree_attention.h"
 
 #define MASKED (-1e30f)
 #define MAX_GROUP 16   /* query heads per KV head */
-
-/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r,
- * times 2^n; 0 below e^-80 (weights that small change nothing, and their products with the values
- * would be denormal numbers: with them the LLM's 7-token run was slower than on GroupQueryAttention,
- * 1.91 ms against 1.57). Within 2 ulp of expf; lanes are independent. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.0f), _CMP_GE_OQ), p, n);
-}
 
 /* x rotated to position pos, rotate-half style: (x1 c - x2 s, x2 c + x1 s), halves of D / 2. */
 static inline void rotate(const float *x, float *y, const float *cos, const float *sin, size_t D) {
@@ -60,14 +41,6 @@ static inline void rotate(const float *x, float *y, const float *cos, const floa
     }
 }
 
-typedef struct {
-    const float *qkv, *bias, *cos, *sin;
-    const int64_t *positions;
-    float *keys, *values, *out;
-    const int32_t *seqlens;
-    size_t B, T, H, Hkv, S, D, total, bias_batch;
-    float scale;
-} Job;
 
 static size_t past_of(const Job *job, size_t b) { return (size_t)job->seqlens[b] + 1 - job->T; }
 static size_t position_of(const Job *job, size_t b, size_t t) {
@@ -137,7 +110,7 @@ static void weigh_all(const float *V, const uint32_t *visible, size_t n, size_t 
 }
 
 /* One task: token t of sequence b, the query heads of KV head g. */
-static void attend_task(const Job *job, size_t task) {
+void attend_task(const Job *job, size_t task) {
     size_t D = job->D, g = task % job->Hkv, t = (task / job->Hkv) % job->T, b = task / (job->Hkv * job->T);
     size_t group = job->H / job->Hkv, width = (job->H + 2 * job->Hkv) * D, keys = past_of(job, b) + t + 1;
     const float *K = job->keys + (b * job->Hkv + g) * job->S * D, *V = job->values + (b * job->Hkv + g) * job->S * D;
@@ -218,7 +191,7 @@ static OrtStatus *check(const Job *job, size_t positions) {
 
 /* The new tokens' keys (rotated) and values written at slots P .. P + T - 1 of the presents (the
  * past copied first where a present is not bound to it). */
-static void store_new(const Job *job, const float *past_key, const float *past_value) {
+void store_new(const Job *job, const float *past_key, const float *past_value) {
     const float *past[2] = {past_key, past_value};
     float *present[2] = {job->keys, job->values};
     size_t width = (job->H + 2 * job->Hkv) * job->D, D = job->D;
