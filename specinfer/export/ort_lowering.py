@@ -270,7 +270,8 @@ def lower_drafter(model: "LlamaModel", max_context: int, depth: int, sampled: bo
     attention kernel derives them from ``seqlens_k``. ORT pays a few microseconds per kernel here,
     so each unrolled step is kept to 27 kernels for the embedded SSM's two layers (34 before the
     token ids and the mass were computed once for all steps: 223 kernels for a chain of 8 against
-    272, its draft 0.55-0.62 ms against 0.61-0.67 at the median in decoding).
+    272, its draft 0.55-0.62 ms against 0.61-0.67 at the median in decoding). Where the native
+    kernels run, a small model's drafter runs as one node instead (``native.use_draft_chain``).
     """
     from onnx import TensorProto, helper
 
