@@ -81,3 +81,23 @@ def test_probabilities_are_the_shaped_softmax(params):
     np.testing.assert_allclose(probabilities(logits[1], params), got[1], rtol=1e-15)
     greedy = probabilities(logits, SamplingParams())
     assert (greedy.argmax(-1) == logits.argmax(-1)).all() and (greedy.sum(-1) == 1).all()
+
+
+@pytest.mark.parametrize("vocab", [5, 8, 1000, 8192])
+def test_the_native_shaping_is_numpys_float64_softmax(vocab, monkeypatch):
+    """kernels/shaping.c (where the native kernels run) against the numpy shaping it replaces."""
+    from specinfer.engines import native
+
+    if native.library() is None:
+        pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+    logits = (np.random.default_rng(vocab).standard_normal((3, vocab)) * 4).astype(np.float32)
+    logits[0, :2] = -np.inf   # masked tokens have no mass
+    for temperature in (0.05, 0.7, 1.0, 2.5):
+        got = native.softmax(logits, temperature)
+        with monkeypatch.context() as m:
+            m.setattr(native, "softmax", lambda *a: None)   # probabilities() on numpy alone
+            expected = probabilities(logits, SamplingParams(temperature=temperature))
+        np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-250)
+        assert (got[0, :2] == 0).all() and np.allclose(got.sum(-1), 1, rtol=0, atol=1e-13)
+        np.testing.assert_array_equal(probabilities(logits, SamplingParams(temperature=temperature)), got)
+    assert native.softmax(logits.astype(np.float64), 0.7) is None   # float64 logits: numpy's path
