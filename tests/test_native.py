@@ -386,6 +386,8 @@ def test_a_large_models_drafter_stays_a_graph_on_the_pool(exported, monkeypatch)
 
 
 def test_a_batched_drafter_becomes_one_node_that_drafts_each_sequence_as_alone(exported):
+    """Greedy and sampled batches with spare slots (9 in a batch of 12, 10 in 12: the spare slots
+    share one scratch cache, drafted once): each sequence bit for bit what it drafts alone."""
     from specinfer.engines.onnxruntime import OrtRuntime
     from specinfer.export.ort_lowering import batch_drafter
 
@@ -393,16 +395,21 @@ def test_a_batched_drafter_becomes_one_node_that_drafts_each_sequence_as_alone(e
     for kind in ("draft", "sampled_draft"):
         batched = native.use_draft_chain(batch_drafter(runtime._draft_graph(kind, 3), 4), runtime.dir, {})
         assert [n.op_type for n in batched.graph.node] == [native.DRAFT_OPS["draft_mass" if kind == "draft" else "draft_choice"]]
-    prompts = [[1, 17, 42, 99], [1, 5, 23, 8, 61, 9], [1, 14]]
-    calls = [([7], 3), ([8, 9], 2), ([10, 11, 12], 3)]
+    rng = np.random.default_rng(5)
+    k = runtime.draft_candidates
+    calls = [([1] + rng.integers(3, 300, 3 + i).tolist(), rng.integers(3, 300, 1 + i % 3).tolist(), 1 + i % 3,
+              None if i < 9 else (0.8 * rng.gumbel(size=(3, k))).astype(np.float32)) for i in range(19)]
     drafts = []
     for together in (True, False):
-        seqs = [runtime.start() for _ in prompts]
-        for seq, prompt in zip(seqs, prompts):
+        seqs = [runtime.start() for _ in calls]
+        for seq, (prompt, *_) in zip(seqs, calls):
             runtime.prefill(seq, prompt)
-        chains = [(seq, tokens, depth, None) for seq, (tokens, depth) in zip(seqs, calls)]
+        chains = [(seq, tokens, depth, None if noise is None else noise[:depth])
+                  for seq, (_, tokens, depth, noise) in zip(seqs, calls)]
         drafts.append(runtime.draft_chains(chains) if together else [runtime.draft_chain(*c) for c in chains])
         for seq in seqs:
             runtime.release(seq)
-    assert runtime.batch_drafters == [("draft", 3, 3)] and "DraftChain" in runtime.native_ops
-    assert drafts[0] == drafts[1]   # bit for bit: the same computation per sequence
+    assert runtime.batch_drafters == [("draft", 3, 12), ("sampled_draft", 3, 12)]
+    assert {"DraftChain", "DraftChainSampled"} <= runtime.native_ops
+    for together, alone in zip(*drafts):   # bit for bit: the same computation per sequence
+        assert all(np.array_equal(a, b) for a, b in zip(together, alone))

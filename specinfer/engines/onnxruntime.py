@@ -207,7 +207,7 @@ class OrtRuntime(Runtime):
     def _open(self, graph):
         """A session of ``graph``, the lowering or a rewrite of it made here (its weights are the
         export's file), on the native kernels where they run (:mod:`~specinfer.engines.native`):
-        MatMuls by float16-exact weights, and the attention."""
+        a small model's drafter as one node, MatMuls by float16-exact weights, and the attention."""
         library = native.library()
         if library is not None:
             graph = native.use_draft_chain(graph, self.dir, self._draft_panels)

@@ -64,6 +64,7 @@ typedef struct {   /* one sequence's draft */
     int32_t seqlens;
     float *keys[MAX_LAYERS], *values[MAX_LAYERS];
     int failed;
+    size_t copy_of;   /* a sequence drafting the same on the same cache (itself if none) */
 } Seq;
 
 typedef struct {   /* a call: the model, its sequences, the outputs */
@@ -199,6 +200,7 @@ static void draft(void *data, size_t task) {
     const Call *c = (const Call *)data;
     const Model *m = c->m;
     Seq *q = &c->seqs[task];
+    if (q->copy_of != q->slot) return;   /* its rows are copied from the one it repeats */
     size_t T = q->T, hidden = m->hidden, F = m->F;
     Scratch s = {malloc(T * hidden * sizeof(float)), malloc(T * hidden * sizeof(float)),
                  malloc(T * m->width * sizeof(float)), malloc(T * m->H * m->D * sizeof(float)),
@@ -380,7 +382,32 @@ static OrtStatus *compute(OrtKernelContext *ctx, int sampled) {
                 if (cache != past) memcpy(cache, past, m->Hkv * q->S * m->D * sizeof(float));
                 if (kv) q->values[i] = cache; else q->keys[i] = cache;
             }
+    /* A batch's spare slots share one scratch cache and draft the same: the first of them drafts,
+     * the others copy its rows (two drafts on one cache would write it at once). Sequences on one
+     * cache with different inputs are refused. */
+    for (size_t s = 0; s < c.n && !bad; s++) {
+        Seq *q = &c.seqs[s];
+        q->copy_of = s;
+        for (size_t t = 0; t < s; t++) {
+            const Seq *o = &c.seqs[t];
+            if (o->keys[0] != q->keys[0] && o->values[0] != q->values[0]) continue;
+            int same = o->T == q->T && o->seqlens == q->seqlens && !memcmp(o->tokens, q->tokens, q->T * sizeof *q->tokens);
+            for (size_t j = 0; sampled && same && j < m->depth; j++)
+                same = !memcmp(c.noise[j] + o->slot * m->K, c.noise[j] + q->slot * m->K, m->K * sizeof(float));
+            if (!same) bad = fail("two sequences with different inputs share a cache");
+            q->copy_of = t;
+            break;
+        }
+    }
+    if (bad) goto done;
     CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, draft, c.n, 0, &c);
+    for (size_t s = 0; s < c.n; s++)
+        for (size_t j = 0, from = c.seqs[s].copy_of; from != s && j < m->depth; j++) {
+            size_t row = j * c.n + s, source = j * c.n + from;
+            memcpy(c.drafted + row * m->K, c.drafted + source * m->K, m->K * sizeof *c.drafted);
+            memcpy(c.top + row * m->K, c.top + source * m->K, m->K * sizeof *c.top);
+            if (sampled) c.choice[row] = c.choice[source]; else c.mass[row] = c.mass[source];
+        }
     for (size_t s = 0; s < c.n; s++) {
         Seq *q = &c.seqs[s];
         if (q->failed) { bad = fail("out of memory"); goto done; }
