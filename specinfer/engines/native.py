@@ -299,25 +299,27 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     matrices = [head] + [name for layer in weights for name in layer if name.endswith(".weight")]
     if sum(int(np.prod(by_name[name].dims)) for name in matrices) > DRAFT_CHAIN_MAX_WEIGHTS:
         return model
+    depth = g.output[0].type.tensor_type.shape.dim[1].dim_value // len(suffixes)
+    width, ffn = by_name["layers.0.qkv.weight"].dims[1], by_name["layers.0.gate_up.weight"].dims[1] // 2
+    k = g.output[0].type.tensor_type.shape.dim[2].dim_value
+    if layers > 64 or depth > 64 or k > 256:   # draft_chain.c's MAX_LAYERS, MAX_DEPTH, MAX_CANDIDATES
+        return model
+    constants = {"draft_chain.config": np.array([layers, depth, k, by_name[head].dims[1], width, ffn], np.int64),
+                 "draft_chain.numbers": np.array([eps, scale], np.float32),
+                 "draft_chain.none": np.zeros(0, np.float32), "draft_chain.no_vocab": np.zeros(0, np.int64)}
+    presents = [name + x for x in suffixes for step in drafter_present_names(layers, depth) for name in step]
+    if set(presents) != set(outputs[3:]):
+        return model
     for name in matrices:
         if name not in packed:
             packed[name] = numpy_helper.from_array(
                 pack_panels(numpy_helper.to_array(by_name[name], base_dir=str(weights_dir))), f"{name}.panels")
-    depth = g.output[0].type.tensor_type.shape.dim[1].dim_value // len(suffixes)
-    width, ffn = by_name["layers.0.qkv.weight"].dims[1], by_name["layers.0.gate_up.weight"].dims[1] // 2
-    k = g.output[0].type.tensor_type.shape.dim[2].dim_value
-    constants = {"draft_chain.config": np.array([layers, depth, k, by_name[head].dims[1], width, ffn], np.int64),
-                 "draft_chain.numbers": np.array([eps, scale], np.float32),
-                 "draft_chain.none": np.zeros(0, np.float32), "draft_chain.no_vocab": np.zeros(0, np.int64)}
     panel = lambda name: f"{name}.panels" if name in matrices else name if name in inits else "draft_chain.none"
-    presents = [name + x for x in suffixes for step in drafter_present_names(layers, depth) for name in step]
     node = helper.make_node(
         op, ["input_ids", "slot_tokens" if batched else "", "draft_chain.config", "draft_chain.numbers",
              *map(panel, shared), vocab or "draft_chain.no_vocab", *[panel(n) for layer in weights for n in layer],
              *[name for seq in per_sequence for name in seq], *[n for n in inputs if n.startswith("draft_noise.")]],
         outputs[:3] + presents, name="draft_chain", domain=DOMAIN)
-    if set(presents) != set(outputs[3:]):
-        return model
     read = set(node.input)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -326,7 +328,7 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     kept = [init for init in out.graph.initializer if init.name in read]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept + [packed[name] for name in matrices]
-                                 + [numpy_helper.from_array(v, k) for k, v in constants.items() if k in read])
+                                 + [numpy_helper.from_array(value, name) for name, value in constants.items() if name in read])
     del out.graph.value_info[:]
     return _import_domain(out)
 
