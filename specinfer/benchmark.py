@@ -328,12 +328,9 @@ def targets(rows: list[dict]) -> list[dict]:
     if best.get("tokens_per_step") is not None:
         out.append({"target": f"{best['contender']}: mean tokens per step", "ratio": best["tokens_per_step"],
                     "goal": 3.0, "met": best["tokens_per_step"] >= 3.0})
-    drafted = [r for r in ours if r.get("ssm_s") and r.get("llm_s")]
-    if drafted:   # the engine issue's drafting goal: the SSMs' time at most a quarter of the LLM's
-        cheapest = min(drafted, key=lambda r: r["ssm_s"] / r["llm_s"])
-        out.append({"target": f"{cheapest['contender']}: SSM s / LLM s (drafting against verification)",
-                    "ratio": (r := cheapest["ssm_s"] / cheapest["llm_s"]), "goal": 0.25, "met": r <= 0.25,
-                    "at_most": True})
+    if best.get("ssm_s") is not None and best.get("llm_s"):   # the engine issue's drafting goal
+        out.append({"target": f"{best['contender']}: SSM s / LLM s (drafting against verification)",
+                    "ratio": (r := best["ssm_s"] / best["llm_s"]), "goal": 0.25, "met": r <= 0.25, "at_most": True})
     served = [r for r in rows if r.get("streams") and r.get("tokens_per_s")]
     alone = max((r for r in served if r["streams"] == 1), key=lambda r: r["tokens_per_s"], default=None)
     for n in sorted({r["streams"] for r in served} - {1}):
