@@ -278,11 +278,11 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     batched = "slot_tokens" in inputs
     suffixes = [f".{s}" for s in range(sum(n.startswith("seqlens_k.") for n in inputs))] if batched else [""]
     layers = sum(name.startswith("past_key.") for name in inputs) // max(len(suffixes), 1)
-    inits = {init.name for init in g.initializer}
+    by_name = {init.name: init for init in g.initializer}
     attrs = {(n.op_type, a.name): helper.get_attribute_value(a) for n in g.node for a in n.attribute}
     eps, scale = attrs.get(("SimplifiedLayerNormalization", "epsilon")), attrs.get(("GroupQueryAttention", "scale"))
-    vocab = "draft_vocab" if "draft_vocab" in inits else ""
-    rows = "embed_tokens.draft_vocab" if "embed_tokens.draft_vocab" in inits else "embed_tokens"
+    vocab = "draft_vocab" if "draft_vocab" in by_name else ""
+    rows = "embed_tokens.draft_vocab" if "embed_tokens.draft_vocab" in by_name else "embed_tokens"
     head = "lm_head.draft_vocab" if vocab else "lm_head"
     shared = ["cos_cache", "sin_cache", "embed_tokens", rows, head, "final_norm"]
     weights = [[f"layers.{i}.input_norm", f"layers.{i}.qkv.weight", f"layers.{i}.qkv.bias", f"layers.{i}.o_proj.weight",
@@ -290,12 +290,11 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     per_sequence = [[f"seqlens_k{x}", f"total_sequence_length{x}"]
                     + [f"past_{kv}.{i}{x}" for i in range(layers) for kv in ("key", "value")] for x in suffixes]
     needed = set(shared) | {name for layer in weights for name in layer if not name.endswith(".bias")}
-    biases = {name for name in inits if name.endswith(".bias")}
-    if (not layers or not suffixes or eps is None or scale is None or not needed <= inits
+    biases = {name for name in by_name if name.endswith(".bias")}
+    if (not layers or not suffixes or eps is None or scale is None or not needed <= by_name.keys()
             or not {name for seq in per_sequence for name in seq} <= set(inputs)
             or biases - {f"layers.{i}.qkv.bias" for i in range(layers)}):
         return model
-    by_name = {init.name: init for init in g.initializer}
     matrices = [head] + [name for layer in weights for name in layer if name.endswith(".weight")]
     if sum(int(np.prod(by_name[name].dims)) for name in matrices) > DRAFT_CHAIN_MAX_WEIGHTS:
         return model
@@ -314,7 +313,7 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
         if name not in packed:
             packed[name] = numpy_helper.from_array(
                 pack_panels(numpy_helper.to_array(by_name[name], base_dir=str(weights_dir))), f"{name}.panels")
-    panel = lambda name: f"{name}.panels" if name in matrices else name if name in inits else "draft_chain.none"
+    panel = lambda name: f"{name}.panels" if name in matrices else name if name in by_name else "draft_chain.none"
     node = helper.make_node(
         op, ["input_ids", "slot_tokens" if batched else "", "draft_chain.config", "draft_chain.numbers",
              *map(panel, shared), vocab or "draft_chain.no_vocab", *[panel(n) for layer in weights for n in layer],

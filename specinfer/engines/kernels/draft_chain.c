@@ -78,11 +78,10 @@ typedef struct {   /* a call: the model, its sequences, the outputs */
 
 static size_t panels(size_t n) { return (n + PANEL - 1) / PANEL; }
 
-static OrtStatus *fail(const char *message) {
-    char text[256];
-    snprintf(text, sizeof text, "specinfer.native DraftChain: %s", message);
-    return ((CreateStatusFn)api[SLOT_CreateStatus])(ORT_INVALID_ARGUMENT, text);
-}
+/* The lanes of a 16-wide vector that hold the `left` values still to do (all 16 from 16 up). */
+static inline __mmask16 first_lanes(size_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+
+static OrtStatus *fail(const char *message) { return op_error("DraftChain", message); }
 
 /* y[r] = x[r] W (+ b) for `rows` rows, W [K, N] packed in panels of 64 columns, [ceil(N / 64), K,
  * 64], the last zero-padded: each panel's weights are read in one sweep, k in order. */
@@ -94,7 +93,7 @@ static void matmul(const float *x, size_t rows, const float *W, const float *b, 
             __m512 a[4];
             for (int c = 0; c < 4; c++) {
                 size_t at = n + 16 * c, left = N > at ? N - at : 0;
-                m[c] = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+                m[c] = first_lanes(left);
                 a[c] = b ? _mm512_maskz_loadu_ps(m[c], b + at) : _mm512_setzero_ps();
             }
             __m512 odd[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -126,7 +125,7 @@ static void top_k(const float *x, size_t n, size_t K, float *value, int64_t *ind
     for (size_t i = 0; i < n; i++) {
         if (kept == K) {   /* skip the 16 values from i on that beat none kept, 16 at once */
             size_t left = n - i < 16 ? n - i : 16;
-            __mmask16 in = (__mmask16)((1u << left) - 1);
+            __mmask16 in = first_lanes(left);
             __mmask16 beats = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, x + i), _mm512_set1_ps(value[K - 1]),
                                                       _CMP_GT_OQ);
             if (beats == 0) { i += left - 1; continue; }
@@ -146,7 +145,7 @@ static void top_k(const float *x, size_t n, size_t K, float *value, int64_t *ind
 /* act = silu(gate) * up for one token's [gate | up] of 2 F: gate sigmoid(gate) from exp(-|gate|). */
 static void swiglu(const float *gate_up, float *act, size_t F) {
     for (size_t f = 0; f < F; f += 16) {
-        __mmask16 m = F - f >= 16 ? 0xFFFF : (__mmask16)((1u << (F - f)) - 1);
+        __mmask16 m = first_lanes(F - f);
         __m512 g = _mm512_maskz_loadu_ps(m, gate_up + f), u = _mm512_maskz_loadu_ps(m, gate_up + F + f);
         __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
         __m512 one = _mm512_set1_ps(1.0f);
@@ -160,7 +159,7 @@ static void swiglu(const float *gate_up, float *act, size_t F) {
 static float mass(const float *x, size_t n, float top) {
     __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
     for (size_t i = 0; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        __mmask16 m = first_lanes(n - i);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), shift))));
     }
     return _mm512_reduce_add_ps(sum);

@@ -6,6 +6,7 @@
 #define SPECINFER_ORT_API_H
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtValue OrtValue;
@@ -91,6 +92,13 @@ static inline size_t shape_of(const OrtValue *value, int64_t *dims, size_t most)
     CALL(GetDimensions, OrtStatus *(*)(const OrtShape *, int64_t *, size_t))(info, dims, rank);
     CALL(ReleaseTensorTypeAndShapeInfo, void (*)(OrtShape *))(info);
     return rank;
+}
+
+/* An invalid-argument status naming the op: "specinfer.native <op>: <message>". */
+static inline OrtStatus *op_error(const char *op, const char *message) {
+    char text[256];
+    snprintf(text, sizeof text, "specinfer.native %s: %s", op, message);
+    return CALL(CreateStatus, CreateStatusFn)(ORT_INVALID_ARGUMENT, text);
 }
 
 static inline void *data_of(const OrtValue *value) {

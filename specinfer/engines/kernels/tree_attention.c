@@ -171,11 +171,7 @@ void attend_task(const Job *job, size_t task) {
 
 static void attend(void *data, size_t task) { attend_task((const Job *)data, task); }
 
-static OrtStatus *fail(const char *message) {
-    char text[256];
-    snprintf(text, sizeof text, "specinfer.native TreeAttention: %s", message);
-    return ((CreateStatusFn)api[SLOT_CreateStatus])(ORT_INVALID_ARGUMENT, text);
-}
+static OrtStatus *fail(const char *message) { return op_error("TreeAttention", message); }
 
 /* The job's lengths against its cache and the cos/sin tables (``positions`` rows). */
 static OrtStatus *check(const Job *job, size_t positions) {
