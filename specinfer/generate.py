@@ -241,7 +241,9 @@ class LocalSpeculator:
             self._draft_seconds += d.seconds
         self.last_path = []
         self.stats.ssm_seconds += self._draft_seconds
-        return merge(trees, budget)[0] if trees else TokenTree(root)
+        if all(len(t) == 1 for t in trees):   # no drafter drafted (or none runs): nothing to merge
+            return TokenTree(root)
+        return merge(trees, budget)[0]
 
     def settle(self, tree: TokenTree, logits: np.ndarray, llm_seconds: float) -> tuple[list[int], int]:
         """Verify ``tree`` with the LLM's ``logits`` for it (its nodes are pending in the LLM's

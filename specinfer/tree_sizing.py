@@ -140,8 +140,9 @@ class TreeSizer:
         self.overhead = cost.seconds[0] / 2 if overhead is None else overhead
         t, y = np.asarray(cost.tree_tokens, dtype=float), np.asarray(cost.seconds, dtype=float)
         w = self.PRIOR_WEIGHT / len(t)
-        # Weighted sums for the fit: n, sum t, sum y, sum t^2, sum t*y.
-        self._sums = w * np.array([len(t), t.sum(), y.sum(), (t * t).sum(), (t * y).sum()])
+        # Weighted sums for the fit: n, sum t, sum y, sum t^2, sum t*y. Plain floats: every step
+        # updates them, and five numpy operations on five numbers cost more than the arithmetic.
+        self._sums = [float(w * s) for s in (len(t), t.sum(), y.sum(), (t * t).sum(), (t * y).sum())]
         self._line = self._fit()
 
     def _fit(self) -> tuple[float, float]:
@@ -164,8 +165,8 @@ class TreeSizer:
             # must not make drafting look dear for long, while a real rise still comes through.
             self.overhead += weight * (min(overhead_seconds, 2 * self.overhead) - self.overhead)
         if tree_tokens is not None and llm_seconds is not None:
-            t = float(tree_tokens)
-            self._sums = self.FORGET * self._sums + np.array([1.0, t, llm_seconds, t * t, t * llm_seconds])
+            t, y = float(tree_tokens), float(llm_seconds)
+            self._sums = [self.FORGET * s + x for s, x in zip(self._sums, (1.0, t, y, t * t, t * y))]
             self._line = self._fit()
 
     def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> np.ndarray:
