@@ -73,10 +73,26 @@ SAMPLE_BLOCK = 128   # tokens per block of sample()'s two-level search
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a distribution [V] (exact inverse-CDF on float64): the first token
-    whose cumulative mass exceeds u times the total. Searched in two levels, the blocks' masses
-    then one block's tokens, as one cumulative sum over a vocabulary of 8k costs ~30 us (numpy's
-    cumsum runs one add at a time) against a few for the block sums."""
-    u = rng.random()
+    whose cumulative mass exceeds u times the total, u = ``rng.random()`` (:func:`inverse_cdf`)."""
+    return inverse_cdf(p, rng.random())
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """``sample(probabilities(logits, params), rng)`` for one row of sampled logits: the same
+    uniform read, the same inverse CDF, drawn in one native call where it runs (float32 logits, no
+    top-k or top-p cut; ``kernels/shaping.c``) without writing the float64 distribution."""
+    if not params.top_k and params.top_p >= 1.0 and native.can_sample(logits):
+        u = rng.random()
+        token = native.sample_softmax(logits, params.temperature, u)
+        return token if token >= 0 else inverse_cdf(probabilities(logits, params), u)   # (no mass: no draw there)
+    return sample(probabilities(logits, params), rng)
+
+
+def inverse_cdf(p: np.ndarray, u: float) -> int:
+    """The token of uniform ``u`` under the weights ``p`` [V] (not necessarily normalized): the
+    first whose cumulative weight exceeds u times the total. Searched in two levels, the blocks'
+    masses then one block's tokens, as one cumulative sum over a vocabulary of 8k costs ~30 us
+    (numpy's cumsum runs one add at a time) against a few for the block sums."""
     if len(p) <= 2 * SAMPLE_BLOCK:
         return _first_above(np.cumsum(p), p, u)
     starts = np.arange(0, len(p), SAMPLE_BLOCK)
@@ -101,4 +117,4 @@ def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
     """The token incremental decoding emits after these logits."""
     if params.greedy:
         return int(np.argmax(logits))
-    return sample(probabilities(logits, params), rng)
+    return draw(logits, params, rng)

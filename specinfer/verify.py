@@ -61,7 +61,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import SamplingParams, probabilities, sample
+from .engines import native
+from .sampling import SamplingParams, draw, inverse_cdf, probabilities, sample
 from .tree import TokenTree
 
 
@@ -93,6 +94,13 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
         return p
     r /= total
     return r
+
+
+def residual_draw(p: np.ndarray, q: np.ndarray, u: float) -> int:
+    """The token of uniform ``u`` under :func:`residual` (p, q): the bonus after the last
+    candidate's rejection, drawn in one native pass over p and q where it runs."""
+    token = native.sample_residual(p, q, u)
+    return inverse_cdf(residual(p, q), u) if token is None else token
 
 
 def conditional_q(q: np.ndarray, drawn: list[int]) -> np.ndarray:
@@ -136,18 +144,21 @@ def _candidates(tree: TokenTree, u: int, vocab: int) -> list[tuple[int, int, np.
 def verify_mss(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
                rng: np.random.Generator) -> Verdict:
     """SpecInfer multi-step speculative sampling (see the module docstring)."""
-    path = [0]
+    path, vocab = [0], llm_logits.shape[-1]
     while True:
         u = path[-1]
+        candidates = _candidates(tree, u, vocab)
+        if not candidates:   # a leaf: the bonus is the LLM's own draw there (sample(p), in one native call)
+            return Verdict(path, draw(llm_logits[u], params, rng))
         p = probabilities(llm_logits[u], params)
-        for child, x, q in _candidates(tree, u, len(p)):
+        for i, (child, x, q) in enumerate(candidates):
             # Accept with probability min(1, p[x] / q[x]), written without a division.
             if rng.random() * q[x] < p[x]:
                 path.append(child)
                 break
+            if i == len(candidates) - 1:   # all rejected: the bonus from the residual
+                return Verdict(path, residual_draw(p, q, rng.random()))
             p = residual(p, q)
-        else:
-            return Verdict(path, sample(p, rng))
 
 
 def verify_naive(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams,
@@ -155,7 +166,7 @@ def verify_naive(tree: TokenTree, llm_logits: np.ndarray, params: SamplingParams
     """Sample from the LLM at each node; follow the tree while the token is a child."""
     path = [0]
     while True:
-        token = sample(probabilities(llm_logits[path[-1]], params), rng)
+        token = draw(llm_logits[path[-1]], params, rng)
         child = tree.child(path[-1], token)
         if child is None:
             return Verdict(path, token)

@@ -101,3 +101,37 @@ def test_the_native_shaping_is_numpys_float64_softmax(vocab, monkeypatch):
         assert (got[0, :2] == 0).all() and np.allclose(got.sum(-1), 1, rtol=0, atol=1e-13)
         np.testing.assert_array_equal(probabilities(logits, SamplingParams(temperature=temperature)), got)
     assert native.softmax(logits.astype(np.float64), 0.7) is None   # float64 logits: numpy's path
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 8192])
+def test_the_native_draws_are_the_inverse_cdf(vocab, monkeypatch):
+    """sampling.draw (one native call from the logits) and verify.residual_draw (one native pass over
+    p and q) pick, for the same uniform, the token the numpy inverse CDF picks on the distribution
+    written out; without the library, draw() is sample(probabilities()) and reads one uniform too."""
+    from specinfer.engines import native
+    from specinfer.sampling import draw, inverse_cdf
+    from specinfer.verify import residual, residual_draw
+
+    if native.library() is None:
+        pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+    rng = np.random.default_rng(vocab)
+    for trial in range(200):
+        logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+        logits[rng.integers(0, vocab)] = -np.inf   # a masked token: never drawn
+        params = SamplingParams(temperature=float(rng.choice([0.3, 0.7, 1.0, 1.6])))
+        u = float(rng.random())
+        p = probabilities(logits, params)
+        token = native.sample_softmax(logits, params.temperature, u)
+        assert token == inverse_cdf(p, u) and p[token] > 0
+        q = probabilities(logits + rng.standard_normal(vocab).astype(np.float32), params)
+        assert residual_draw(p, q, u) == inverse_cdf(residual(p.copy(), q), u)
+    assert residual_draw(p, p, 0.5) == inverse_cdf(p, 0.5)   # no residual mass: drawn from p, as residual() says
+    seeds = [np.random.default_rng(1), np.random.default_rng(1)]
+    native_token = draw(logits, params, seeds[0])
+    monkeypatch.setattr(native, "library", lambda: None)
+    native._sample_functions.cache_clear()
+    try:
+        assert draw(logits, params, seeds[1]) == native_token   # numpy's path: the same token, one uniform each
+        assert seeds[0].random() == seeds[1].random()
+    finally:
+        native._sample_functions.cache_clear()

@@ -21,8 +21,9 @@ import pytest
 
 from specinfer import verify as verify_module
 from specinfer.config import ModelConfig
+from specinfer.engines import native
 from specinfer.engines.runtime import Runtime
-from specinfer.sampling import SamplingParams, probabilities
+from specinfer.sampling import SamplingParams, inverse_cdf, probabilities
 from specinfer.speculate import SSMDrafter
 from specinfer.tree import Proposal, TokenTree, merge
 from specinfer.lookup import LookupDrafter
@@ -39,7 +40,9 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k
 # --- models: logits as a fixed function of the context (tokens after the root) --------------------
 @lru_cache(maxsize=None)
 def llm_logits(context: tuple) -> np.ndarray:
-    return np.random.default_rng([7, len(context), *context]).normal(0.0, 1.5, V)
+    # float32 values (held in float64): verification on the same logits as float32, the engines'
+    # dtype, takes the native draws (sampling.draw), and the law must not change.
+    return np.random.default_rng([7, len(context), *context]).normal(0.0, 1.5, V).astype(np.float32).astype(float)
 
 
 @lru_cache(maxsize=None)
@@ -192,9 +195,10 @@ def probes(lo: float, hi: float) -> list[float]:
     return [lo + width / 2, *ends]
 
 
-def verify_mss_law(tree: TokenTree, params: SamplingParams, bug: str | None = None):
+def verify_mss_law(tree: TokenTree, params: SamplingParams, bug: str | None = None, dtype=np.float64):
     """The law of the real verify_mss's verdicts {(path, bonus): probability}, and whether on every
-    outcome it agreed with the enumeration at all the probe points (same verdict, same rng reads)."""
+    outcome it agreed with the enumeration at all the probe points (same verdict, same rng reads).
+    verify_mss is given the logits as ``dtype`` (float32: the native draws where they run)."""
     logits = tree_logits(tree)
     law, agrees = defaultdict(float), True
     for weight, intervals, path, bonus in enumerate_mss(tree, logits, params, bug):
@@ -202,7 +206,7 @@ def verify_mss_law(tree: TokenTree, params: SamplingParams, bug: str | None = No
         verdicts = []
         for k in range(3):   # all middles, all lower ends, all upper ends
             rng = ScriptedRng(pt[k] for pt in points)
-            v = verify_mss(tree, logits, params, rng)
+            v = verify_mss(tree, logits.astype(dtype), params, rng)
             verdicts.append((tuple(v.path), v.bonus))
             agrees &= rng.calls == len(intervals)
         agrees &= verdicts == [(tuple(path), bonus)] * 3
@@ -241,14 +245,14 @@ def distance(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
 
 
-def check_exact(trees, params: SamplingParams, bug: str | None = None) -> tuple[float, bool]:
+def check_exact(trees, params: SamplingParams, bug: str | None = None, dtype=np.float64) -> tuple[float, bool]:
     """For a random tree given as [(probability, tree)]: the largest gap between the law of the first
     n tokens under MSS (then LLM sampling) and the LLM's own, n = deepest tree + 1; and whether the
-    real verify_mss agreed with the enumeration everywhere."""
+    real verify_mss (given the logits as ``dtype``) agreed with the enumeration everywhere."""
     n = 1 + max(depth(t) for _, t in trees)
     law, agrees = defaultdict(float), True
     for weight, tree in trees:
-        verdicts, ok = verify_mss_law(tree, params, bug)
+        verdicts, ok = verify_mss_law(tree, params, bug, dtype)
         agrees &= ok
         for tokens, w in emitted(tree, verdicts).items():
             law[tokens] += weight * w
@@ -576,24 +580,47 @@ def one(make):
     return lambda params: [(1.0, make(params))]
 
 
-WRONG_RULES = {   # bug: (name in verify.py, its wrong version, random tree, params)
+WRONG_RULES = {   # bug: ({name in verify.py: its wrong version}, random tree, params)
     # A deterministic candidate accepted whenever p[x] > 0: its proposal has no mass, p stays as is.
-    "accept point masses": ("point_mass", lambda token, size: np.zeros(size), one(specinfer_like), PARAMS[0]),
-    "keep p": ("residual", lambda p, q: p, one(specinfer_like), PARAMS[0]),
-    "no rank conditioning": ("conditional_q", lambda q, drawn: q,
+    "accept point masses": ({"point_mass": lambda token, size: np.zeros(size)}, one(specinfer_like), PARAMS[0]),
+    # No residual after a rejection, neither before the next candidate nor for the bonus.
+    "keep p": ({"residual": lambda p, q: p, "residual_draw": lambda p, q, u: inverse_cdf(p, u)},
+               one(specinfer_like), PARAMS[0]),
+    "no rank conditioning": ({"conditional_q": lambda q, drawn: q},
                              lambda params: [(w, build(e)) for w, e in sampled_edges(0, [3], params)], PARAMS[0]),
 }
 
 
 @pytest.mark.parametrize("bug", WRONG_RULES)
 def test_wrong_rules_are_detected(bug, monkeypatch):
-    name, wrong, make, params = WRONG_RULES[bug]
+    wrong, make, params = WRONG_RULES[bug]
     trees = make(params)
     assert not check_exact(trees, params, bug)[1]   # the wrong rule enumerated vs the right verify_mss
-    monkeypatch.setattr(verify_module, name, wrong)
+    for name, version in wrong.items():
+        monkeypatch.setattr(verify_module, name, version)
     assert not check_exact(trees, params)[1]        # the right rule enumerated vs a wrong verify_mss
     gap, agrees = check_exact(trees, params, bug)   # both wrong: they agree, and the law is off
     assert agrees and gap > 1e-3, gap
+
+
+@pytest.mark.parametrize("make", [one(chain), one(specinfer_like), sampled, sampled_merged([1], (0, 1, 2), 3)],
+                         ids=lambda m: getattr(m, "__name__", "tree"))
+def test_native_draws_are_exact(make, monkeypatch):
+    """On float32 logits with no top-k or top-p cut, the bonus is drawn natively, from the LLM's
+    logits at a leaf (sample_softmax) or from the residual after the last rejection
+    (sample_residual), with the same uniform: the law stays the LLM's (to 1e-9)."""
+    if native.library() is None:
+        pytest.skip("the native kernels do not run here")
+    calls = defaultdict(int)
+    for name in ("sample_softmax", "sample_residual"):
+        def counted(*args, real=getattr(native, name), name=name):
+            calls[name] += 1
+            return real(*args)
+        monkeypatch.setattr(native, name, counted)
+    params = PARAMS[0]
+    gap, agrees = check_exact(make(params), params, dtype=np.float32)
+    assert agrees and gap < TOL, gap
+    assert calls["sample_softmax"] and calls["sample_residual"], dict(calls)
 
 
 # --- other properties ------------------------------------------------------------------------------
