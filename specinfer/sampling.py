@@ -92,7 +92,11 @@ def inverse_cdf(p: np.ndarray, u: float) -> int:
     """The token of uniform ``u`` under the weights ``p`` [V] (not necessarily normalized): the
     first whose cumulative weight exceeds u times the total. Searched in two levels, the blocks'
     masses then one block's tokens, as one cumulative sum over a vocabulary of 8k costs ~30 us
-    (numpy's cumsum runs one add at a time) against a few for the block sums."""
+    (numpy's cumsum runs one add at a time) against a few for the block sums; in one native pass
+    where it runs (float64 weights)."""
+    token = native.sample_residual(p, None, u)
+    if token is not None:
+        return token
     if len(p) <= 2 * SAMPLE_BLOCK:
         return _first_above(np.cumsum(p), p, u)
     starts = np.arange(0, len(p), SAMPLE_BLOCK)

@@ -22,8 +22,20 @@ def one_level(p: np.ndarray, u: float) -> int:
     return int(np.searchsorted(c, u * c[-1], side="right"))
 
 
+@pytest.fixture(params=["native", "numpy"])
+def drawn_by(request, monkeypatch):
+    """sample() by the native inverse CDF (where the library runs) and by numpy's."""
+    from specinfer.engines import native
+
+    if request.param == "native" and native.library() is None:
+        pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "sample_residual", lambda *a: None)
+    return request.param
+
+
 @pytest.mark.parametrize("vocab", [7, 2 * SAMPLE_BLOCK, 1000, 8192])
-def test_the_two_level_draw_is_the_inverse_cdf(vocab):
+def test_the_two_level_draw_is_the_inverse_cdf(vocab, drawn_by):
     rng = np.random.default_rng(vocab)
     p = rng.random(vocab) ** 4
     p[rng.random(vocab) < 0.3] = 0.0          # tokens without mass, some whole runs of them
@@ -41,7 +53,7 @@ def test_the_two_level_draw_is_the_inverse_cdf(vocab):
         assert token == expected or abs(c[min(token, expected)] - u * c[-1]) < 1e-12
 
 
-def test_a_draw_of_the_whole_mass_takes_the_last_token_with_mass():
+def test_a_draw_of_the_whole_mass_takes_the_last_token_with_mass(drawn_by):
     p = np.zeros(4 * SAMPLE_BLOCK + 5)
     p[[3, SAMPLE_BLOCK + 1, 2 * SAMPLE_BLOCK + 7]] = [0.2, 0.5, 0.3]
     assert sample(p, FixedDraw(np.nextafter(1.0, 0.0))) == 2 * SAMPLE_BLOCK + 7
@@ -114,6 +126,13 @@ def test_the_native_draws_are_the_inverse_cdf(vocab, monkeypatch):
 
     if native.library() is None:
         pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+    native_residual = native.sample_residual
+
+    def numpy_inverse_cdf(p, u):
+        with monkeypatch.context() as m:
+            m.setattr(native, "sample_residual", lambda *a: None)
+            return inverse_cdf(p, u)
+
     rng = np.random.default_rng(vocab)
     for trial in range(200):
         logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
@@ -122,10 +141,11 @@ def test_the_native_draws_are_the_inverse_cdf(vocab, monkeypatch):
         u = float(rng.random())
         p = probabilities(logits, params)
         token = native.sample_softmax(logits, params.temperature, u)
-        assert token == inverse_cdf(p, u) and p[token] > 0
+        assert token == numpy_inverse_cdf(p, u) and p[token] > 0
+        assert native_residual(p, None, u) == token
         q = probabilities(logits + rng.standard_normal(vocab).astype(np.float32), params)
-        assert residual_draw(p, q, u) == inverse_cdf(residual(p.copy(), q), u)
-    assert residual_draw(p, p, 0.5) == inverse_cdf(p, 0.5)   # no residual mass: drawn from p, as residual() says
+        assert residual_draw(p, q, u) == numpy_inverse_cdf(residual(p, q), u)
+    assert residual_draw(p, p, 0.5) == numpy_inverse_cdf(p, 0.5)   # no residual mass: drawn from p, as residual() says
     seeds = [np.random.default_rng(1), np.random.default_rng(1)]
     native_token = draw(logits, params, seeds[0])
     monkeypatch.setattr(native, "library", lambda: None)

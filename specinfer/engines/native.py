@@ -392,15 +392,17 @@ def sample_softmax(logits: np.ndarray, temperature: float, u: float) -> int:
     return int(_sample_functions()[0](logits.ctypes.data, len(logits), temperature, u))
 
 
-def sample_residual(p: np.ndarray, q: np.ndarray, u: float) -> int | None:
+def sample_residual(p: np.ndarray, q: np.ndarray | None, u: float) -> int | None:
     """The token drawn with uniform ``u`` from normalize(max(0, p - q)) (float64 rows), as
-    ``sample(residual(p, q))``; None where that has no mass or the library does not run (the
-    caller then draws as before, from p)."""
+    ``sample(residual(p, q))``, or with ``q`` None from normalize(p) (``sampling.inverse_cdf``);
+    None where that has no mass or the library does not run (the caller then draws in numpy)."""
     functions = _sample_functions()
-    if functions is None or p.dtype != np.float64 or q.dtype != np.float64 or p.shape != q.shape or p.ndim != 1:
+    if (functions is None or p.dtype != np.float64 or p.ndim != 1 or len(p) == 0
+            or (q is not None and (q.dtype != np.float64 or q.shape != p.shape))):
         return None
-    p, q = np.ascontiguousarray(p), np.ascontiguousarray(q)
-    token = int(functions[1](p.ctypes.data, q.ctypes.data, len(p), u))
+    p = np.ascontiguousarray(p)
+    q = None if q is None else np.ascontiguousarray(q)
+    token = int(functions[1](p.ctypes.data, None if q is None else q.ctypes.data, len(p), u))
     return token if token >= 0 else None
 
 

@@ -1,6 +1,6 @@
 /* specinfer_softmax: rows of float32 logits to float64 probabilities at a temperature, the shaping
- * every sampled token goes through; below it, the draw of a token from such logits or from a residual
- * without writing the distribution (specinfer_sample_softmax, specinfer_sample_residual) (specinfer/sampling.py calls it through ctypes, not ONNX
+ * every sampled token goes through; below it, the draw of a token from such logits, from a residual or
+ * from a distribution, by the inverse CDF (specinfer_sample_softmax, specinfer_sample_residual) (specinfer/sampling.py calls it through ctypes, not ONNX
  * Runtime).
  *
  * Why: numpy shapes an 8k-token row in ~29 us (seven passes, each a call), a twentieth of an LLM
@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* exp(x) for x <= 0, 8 lanes of float64; 0 below -708 (under the smallest normal double). */
 static inline __m512d exp_pd(__m512d x) {
@@ -84,6 +85,10 @@ static void softmax_weights(const void *src, int64_t i0, int64_t n, double *out)
 
 static void residual_weights(const void *src, int64_t i0, int64_t n, double *out) {
     const Residual *r = src;
+    if (r->q == NULL) {   /* the weights themselves */
+        memcpy(out, r->p + i0, (size_t)n * sizeof *out);
+        return;
+    }
     for (int64_t i = 0; i < n; i += 8) {
         __mmask8 m = n - i >= 8 ? 0xFF : (__mmask8)((1u << (n - i)) - 1);
         __m512d d = _mm512_sub_pd(_mm512_maskz_loadu_pd(m, r->p + i0 + i), _mm512_maskz_loadu_pd(m, r->q + i0 + i));
@@ -137,8 +142,9 @@ __attribute__((visibility("default"))) int64_t specinfer_sample_softmax(const fl
     return inverse_cdf(softmax_weights, &s, V, u);
 }
 
-/* The token drawn with uniform u from normalize(max(0, p - q)) (verify.residual, then sample); -1
- * where that has no mass (p == q up to rounding: the caller draws from p, as residual() returns it). */
+/* The token drawn with uniform u from normalize(max(0, p - q)) (verify.residual, then sample), or
+ * with q NULL from normalize(p) (sampling.inverse_cdf); -1 where that has no mass (p == q up to
+ * rounding: the caller draws from p, as residual() returns it). */
 __attribute__((visibility("default"))) int64_t specinfer_sample_residual(const double *p, const double *q, int64_t V,
                                                                          double u) {
     Residual r = {p, q};
