@@ -41,6 +41,55 @@ def test_the_kernel_is_the_float32_matmul_of_the_same_numbers_whatever_the_batch
             np.testing.assert_array_equal(part, together[:, start:start + m])
 
 
+def test_the_swiglu_kernel_is_silu_of_the_gate_times_the_up_product_whatever_the_batch():
+    """MatMulF16WSwiGLU: silu(a Wg) * (a Wu) from the two products MatMulF16W computes, each row bit
+    for bit what it is alone."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specinfer.engines.onnxruntime import open_session
+
+    rng = np.random.default_rng(2)
+    k, i = 96, 160   # 160: five 32-column halves, an odd number of panels' worth
+    gate, up = ((rng.standard_normal((2, k, i)) * 0.2).astype(np.float16))
+    node = helper.make_node(native.SWIGLU_OP, ["a", "w"], ["c"], domain=native.DOMAIN)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, "m", k])],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(native.pack_swiglu(gate, up), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native.DOMAIN, 1)])
+    session = open_session(model.SerializeToString(), libraries=[native.library()])
+    a = rng.standard_normal((1, 23, k)).astype(np.float32)
+    together = session.run(None, {"a": a})[0]
+    g, u = a.astype(np.float64) @ gate.astype(np.float64), a.astype(np.float64) @ up.astype(np.float64)
+    assert together.shape == (1, 23, i)
+    np.testing.assert_allclose(together, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+    for m in (1, 4, 7):
+        for start in (0, 5, 16):
+            np.testing.assert_array_equal(session.run(None, {"a": a[:, start:start + m]})[0], together[:, start:start + m])
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_the_mlp_activation_runs_inside_the_gate_up_product(family, exported, monkeypatch):
+    """Every layer's gate|up MatMul, Split, Sigmoid and two Muls become one MatMulF16WSwiGLU, and the
+    logits of a branching tree agree with the graph's activation."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+
+    runtime = OrtRuntime(exported[family])
+    graph = native.use_swiglu(native.use_f16_weights(runtime._lowered, runtime.dir, {}), {})
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count(native.SWIGLU_OP) == runtime.config.num_layers and "Sigmoid" not in ops
+    assert native.SWIGLU_OP in runtime.native_ops
+    monkeypatch.setattr(native, "use_swiglu", lambda model, packed: model)
+    unfused = OrtRuntime(exported[family])
+    assert native.SWIGLU_OP not in unfused.native_ops
+    logits = []
+    for rt in (runtime, unfused):
+        seq = rt.start()
+        rt.prefill(seq, [1, 17, 42, 99, 5, 23, 8])
+        logits.append(rt.score(seq, [61, 7, 9, 11], [-1, 0, 0, 1]))
+        rt.release(seq)
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
 def test_only_matmuls_by_float16_exact_weights_are_rewritten(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
@@ -75,7 +124,7 @@ def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matm
     finally:
         monkeypatch.delenv("SPECINFER_NATIVE")
         native.library.cache_clear()
-    assert on.native_ops == {native.OP, native.ATTENTION_OP} and not off.native_ops
+    assert on.native_ops == {native.OP, native.SWIGLU_OP, native.ATTENTION_OP} and not off.native_ops
     prompt = [1, 17, 42, 99, 5, 23, 8, 61]
     logits = []
     for runtime in (on, off):

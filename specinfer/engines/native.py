@@ -40,6 +40,7 @@ from ..cache import cache_dir
 KERNELS = Path(__file__).parent / "kernels"
 DOMAIN = "specinfer.native"
 OP = "MatMulF16W"
+SWIGLU_OP = "MatMulF16WSwiGLU"
 ATTENTION_OP = "TreeAttention"
 SLOTS_OP = "TreeAttentionSlots"
 DRAFT_OPS = {"draft_mass": "DraftChain", "draft_choice": "DraftChainSampled"}   # by the drafter's last output
@@ -160,6 +161,81 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept + [packed[w] for w in weights])
     return _import_domain(out)
+
+
+def pack_swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The weights ``MatMulF16WSwiGLU`` reads: [K, I] gate and up (I a multiple of 32) packed as
+    :func:`pack_panels` packs [K, 2 I], each panel holding 32 columns of ``gate`` then the same
+    32 of ``up``."""
+    k, halves = gate.shape[0], PANEL // 2
+    return pack_panels(np.stack([gate.reshape(k, -1, halves), up.reshape(k, -1, halves)], axis=2).reshape(k, -1))
+
+
+def use_swiglu(model, packed: dict[str, object]):
+    """A copy of ``model`` whose MLP activations, a ``MatMulF16W`` by [Wg | Wu] whose product is
+    Split in halves, then ``Mul(Mul(gate, Sigmoid(gate)), up)`` (the lowering's SwiGLU), run as one
+    ``MatMulF16WSwiGLU`` on the weight repacked (each panel: 32 columns of Wg, then Wu's same 32),
+    or ``model`` itself where there is none. ``packed`` as :func:`use_f16_weights` fills it (the interleaved
+    copies go there too)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    nodes = list(model.graph.node)
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(i)
+    outputs = {o.name for o in model.graph.output}
+
+    def only_reader(name: str, op: str):
+        """The index of the one node reading ``name``, if it is an ``op`` of the default domain."""
+        at = readers.get(name, [])
+        if name in outputs or len(at) != 1 or nodes[at[0]].op_type != op or nodes[at[0]].domain:
+            return None
+        return at[0]
+
+    inits = {init.name: init for init in model.graph.initializer}
+    fused = {}   # index of the MatMul -> (the fused node, the indices of the nodes it replaces)
+    for index, node in enumerate(nodes):
+        if node.op_type != OP or node.domain != DOMAIN or node.input[1] not in inits:
+            continue
+        split = only_reader(node.output[0], "Split")
+        if split is None or len(nodes[split].output) != 2 or len(nodes[split].input) > 1:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in nodes[split].attribute}
+        if attrs.get("axis") != -1 or attrs.get("num_outputs") != 2:   # (halves of N, a multiple of 64)
+            continue
+        gate, up = nodes[split].output
+        at = {nodes[i].op_type: i for i in readers.get(gate, []) if not nodes[i].domain}
+        if gate in outputs or len(readers.get(gate, [])) != 2 or set(at) != {"Sigmoid", "Mul"}:
+            continue
+        sigmoid, silu = at["Sigmoid"], at["Mul"]
+        if (only_reader(nodes[sigmoid].output[0], "Mul") != silu
+                or sorted(nodes[silu].input) != sorted([gate, nodes[sigmoid].output[0]])):
+            continue
+        act = only_reader(nodes[silu].output[0], "Mul")
+        if act is None or sorted(nodes[act].input) != sorted([nodes[silu].output[0], up]) or len(readers.get(up, [])) != 1:
+            continue
+        name = f"{node.input[1]}.swiglu"
+        if name not in packed:
+            w = numpy_helper.to_array(inits[node.input[1]])   # [Wg | Wu] packed: [N / 64, K, 64]
+            packed[name] = numpy_helper.from_array(pack_swiglu(*np.split(w.transpose(1, 0, 2).reshape(w.shape[1], -1), 2, axis=1)), name)
+        replaced = helper.make_node(SWIGLU_OP, [node.input[0], name], [nodes[act].output[0]],
+                                    name=f"{node.name}.swiglu", domain=DOMAIN)
+        fused[index] = (replaced, {split, sigmoid, silu, act})
+    if not fused:
+        return model
+    dropped = set().union(*(r for _, r in fused.values()))
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(fused[i][0] if i in fused else n for i, n in enumerate(nodes) if i not in dropped)
+    used = {name for n in out.graph.node for name in n.input}
+    kept = [init for init in out.graph.initializer if init.name in used]
+    new = sorted({n.input[1] for n, _ in fused.values()})
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept + [packed[w] for w in new])
+    return out
 
 
 # GroupQueryAttention as the lowering writes it, the only form TreeAttention implements.
