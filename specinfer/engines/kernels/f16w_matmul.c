@@ -52,34 +52,38 @@ typedef struct {
     size_t M, K, N;
 } Product;
 
-static void run_panel(void *data, size_t panel) {
-    const Product *job = (const Product *)data;
-    const uint16_t *P = job->W + panel * job->K * PANEL;
-    for (size_t m = 0; m < job->M; m += ROWS) {
-        const float *A = job->A + m * job->K;
-        float *C = job->C + m * job->N + panel * PANEL;
-        switch (job->M - m >= ROWS ? ROWS : (int)(job->M - m)) {   /* constant row counts unroll */
-            case 6: panel_rows(A, job->K, P, C, job->N, 6); break;
-            case 5: panel_rows(A, job->K, P, C, job->N, 5); break;
-            case 4: panel_rows(A, job->K, P, C, job->N, 4); break;
-            case 3: panel_rows(A, job->K, P, C, job->N, 3); break;
-            case 2: panel_rows(A, job->K, P, C, job->N, 2); break;
-            default: panel_rows(A, job->K, P, C, job->N, 1); break;
-        }
+/* Rows [0, rows) of A (rows <= ROWS) times one panel, with the row count a constant (unrolled). */
+static void block_rows(const float *A, size_t K, const uint16_t *P, float *C, size_t N, int rows) {
+    switch (rows) {
+        case 6: panel_rows(A, K, P, C, N, 6); break;
+        case 5: panel_rows(A, K, P, C, N, 5); break;
+        case 4: panel_rows(A, K, P, C, N, 4); break;
+        case 3: panel_rows(A, K, P, C, N, 3); break;
+        case 2: panel_rows(A, K, P, C, N, 2); break;
+        default: panel_rows(A, K, P, C, N, 1); break;
     }
 }
 
-static void compute(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
+static int rows_from(const Product *job, size_t m) { return job->M - m >= ROWS ? ROWS : (int)(job->M - m); }
+
+static void run_panel(void *data, size_t panel) {
+    const Product *job = (const Product *)data;
+    const uint16_t *P = job->W + panel * job->K * PANEL;
+    for (size_t m = 0; m < job->M; m += ROWS)
+        block_rows(job->A + m * job->K, job->K, P, job->C + m * job->N + panel * PANEL, job->N, rows_from(job, m));
+}
+
+/* A x W on the pool, a task a panel (``task``), each panel giving ``columns`` of the output. */
+static void product(OrtKernelContext *ctx, void (*task)(void *, size_t), size_t columns) {
     const OrtValue *a = NULL, *w = NULL;
     CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &a);
     CALL(KernelContext_GetInput, GetInputFn)(ctx, 1, &w);
     int64_t dims[8], wdims[3];
     size_t rank = shape_of(a, dims, 8);
-    shape_of(w, wdims, 3);   /* [N / 64, K, 64], checked when the graph was written */
+    shape_of(w, wdims, 3);   /* [panels, K, 64], checked when the graph was written */
     size_t M = 1;
     for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
-    Product job = {NULL, NULL, NULL, M, (size_t)wdims[1], (size_t)(wdims[0] * PANEL)};
+    Product job = {NULL, NULL, NULL, M, (size_t)wdims[1], (size_t)wdims[0] * columns};
     dims[rank - 1] = (int64_t)job.N;
     OrtValue *c = NULL;
     CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &c);
@@ -87,8 +91,10 @@ static void compute(void *kernel, OrtKernelContext *ctx) {
     job.W = data_of(w);
     job.C = data_of(c);
     if (M == 0) return;
-    CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, run_panel, (size_t)wdims[0], 0, &job);
+    CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, task, (size_t)wdims[0], 0, &job);
 }
+
+static void compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; product(ctx, run_panel, PANEL); }
 
 /* MatMulF16WSwiGLU: the MLP's gate and up projections and its activation in one op,
  * C[..., I] = silu(A x Wg) * (A x Wu), for the lowering's Split of A x [Wg | Wu], Sigmoid, Mul and
@@ -113,16 +119,8 @@ static void run_swiglu_panel(void *data, size_t panel) {
     const uint16_t *P = job->W + panel * job->K * PANEL;
     float both[ROWS * PANEL] __attribute__((aligned(64)));   /* rows x (32 gate, 32 up) */
     for (size_t m = 0; m < job->M; m += ROWS) {
-        const float *A = job->A + m * job->K;
-        int rows = job->M - m >= ROWS ? ROWS : (int)(job->M - m);
-        switch (rows) {   /* constant row counts unroll */
-            case 6: panel_rows(A, job->K, P, both, PANEL, 6); break;
-            case 5: panel_rows(A, job->K, P, both, PANEL, 5); break;
-            case 4: panel_rows(A, job->K, P, both, PANEL, 4); break;
-            case 3: panel_rows(A, job->K, P, both, PANEL, 3); break;
-            case 2: panel_rows(A, job->K, P, both, PANEL, 2); break;
-            default: panel_rows(A, job->K, P, both, PANEL, 1); break;
-        }
+        int rows = rows_from(job, m);
+        block_rows(job->A + m * job->K, job->K, P, both, PANEL, rows);
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < PANEL / 2; j += LANES)
                 _mm512_storeu_ps(job->C + (m + r) * job->N + panel * (PANEL / 2) + j,
@@ -131,26 +129,7 @@ static void run_swiglu_panel(void *data, size_t panel) {
     }
 }
 
-static void compute_swiglu(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
-    const OrtValue *a = NULL, *w = NULL;
-    CALL(KernelContext_GetInput, GetInputFn)(ctx, 0, &a);
-    CALL(KernelContext_GetInput, GetInputFn)(ctx, 1, &w);
-    int64_t dims[8], wdims[3];
-    size_t rank = shape_of(a, dims, 8);
-    shape_of(w, wdims, 3);   /* [2 I / 64, K, 64], checked when the graph was written */
-    size_t M = 1;
-    for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
-    Product job = {NULL, NULL, NULL, M, (size_t)wdims[1], (size_t)(wdims[0] * PANEL / 2)};
-    dims[rank - 1] = (int64_t)job.N;
-    OrtValue *c = NULL;
-    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &c);
-    job.A = data_of(a);
-    job.W = data_of(w);
-    job.C = data_of(c);
-    if (M == 0) return;
-    CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, run_swiglu_panel, (size_t)wdims[0], 0, &job);
-}
+static void compute_swiglu(void *kernel, OrtKernelContext *ctx) { (void)kernel; product(ctx, run_swiglu_panel, PANEL / 2); }
 
 static const char *swiglu_name(const OrtCustomOp *op) { (void)op; return "MatMulF16WSwiGLU"; }
 
