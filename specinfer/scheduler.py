@@ -93,8 +93,8 @@ def parse_bytes(text: str) -> int:
 class _Done:
     """A job's completion: :class:`threading.Event`'s ``set``, ``is_set`` and ``wait`` on one lock,
     held from birth until set. (An Event is a Condition with a lock of its own and a list of
-    waiters: at 16 streams, making one a step and setting it took ~15% of the scheduler thread's
-    time, py-spy.) Set once, by the thread that runs the batch; waited on by the request's."""
+    waiters: making and setting one cost ~3 us against ~0.4, and a batch of 16 streams makes 16.)
+    Set once, by the thread that runs the batch; waited on by the request's."""
 
     __slots__ = ("_lock", "_set")
 

@@ -175,8 +175,8 @@ def use_swiglu(model, packed: dict[str, object]):
     """A copy of ``model`` whose MLP activations, a ``MatMulF16W`` by [Wg | Wu] whose product is
     Split in halves, then ``Mul(Mul(gate, Sigmoid(gate)), up)`` (the lowering's SwiGLU), run as one
     ``MatMulF16WSwiGLU`` on the weight repacked (each panel: 32 columns of Wg, then Wu's same 32),
-    or ``model`` itself where there is none. ``packed`` as :func:`use_f16_weights` fills it (the interleaved
-    copies go there too)."""
+    or ``model`` itself where there is none. ``packed`` as :func:`use_f16_weights` fills it (the
+    repacked weights go there too)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -219,7 +219,8 @@ def use_swiglu(model, packed: dict[str, object]):
         name = f"{node.input[1]}.swiglu"
         if name not in packed:
             w = numpy_helper.to_array(inits[node.input[1]])   # [Wg | Wu] packed: [N / 64, K, 64]
-            packed[name] = numpy_helper.from_array(pack_swiglu(*np.split(w.transpose(1, 0, 2).reshape(w.shape[1], -1), 2, axis=1)), name)
+            gate, up = np.split(w.transpose(1, 0, 2).reshape(w.shape[1], -1), 2, axis=1)
+            packed[name] = numpy_helper.from_array(pack_swiglu(gate, up), name)
         replaced = helper.make_node(SWIGLU_OP, [node.input[0], name], [nodes[act].output[0]],
                                     name=f"{node.name}.swiglu", domain=DOMAIN)
         fused[index] = (replaced, {split, sigmoid, silu, act})
@@ -235,7 +236,7 @@ def use_swiglu(model, packed: dict[str, object]):
     new = sorted({n.input[1] for n, _ in fused.values()})
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept + [packed[w] for w in new])
-    return out
+    return _import_domain(out)
 
 
 # GroupQueryAttention as the lowering writes it, the only form TreeAttention implements.

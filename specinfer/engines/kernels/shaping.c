@@ -1,7 +1,8 @@
 /* specinfer_softmax: rows of float32 logits to float64 probabilities at a temperature, the shaping
- * every sampled token goes through; below it, the draw of a token from such logits, from a residual or
- * from a distribution, by the inverse CDF (specinfer_sample_softmax, specinfer_sample_residual) (specinfer/sampling.py calls it through ctypes, not ONNX
- * Runtime).
+ * every sampled token goes through; below it, the draw of a token by the inverse CDF from such
+ * logits, from a residual or from a distribution (specinfer_sample_softmax,
+ * specinfer_sample_residual). specinfer/sampling.py and verify.py call them through ctypes, not
+ * ONNX Runtime.
  *
  * Why: numpy shapes an 8k-token row in ~29 us (seven passes, each a call), a twentieth of an LLM
  * step, and a sampled step shapes 2-5 rows; here it is one pass to widen, scale and find the
