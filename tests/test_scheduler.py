@@ -235,7 +235,11 @@ def test_long_prompts_go_in_by_chunks_while_others_step(models):
         got: dict = {}
 
         def late(i, prompt):
-            time.sleep(0.05)   # the short requests are stepping by then (120 one-token steps each)
+            # Once the short requests are stepping (a fixed sleep was flaky: on a fast machine they
+            # could all but finish their 120 one-token steps first), with 100 or more steps to go.
+            deadline = time.monotonic() + 60
+            while scheduler.batches < 10 and time.monotonic() < deadline:
+                time.sleep(0.001)
             got[i] = [t for step in decode(scheduler.speculator(20, tree=[1, 1]), prompt, 20, [EOS]) for t in step]
         threads = [threading.Thread(target=late, args=(i, p)) for i, p in enumerate(long_prompts)]
         for t in threads:
