@@ -149,9 +149,9 @@ def test_the_native_draws_are_the_inverse_cdf(vocab, monkeypatch):
     seeds = [np.random.default_rng(1), np.random.default_rng(1)]
     native_token = draw(logits, params, seeds[0])
     monkeypatch.setattr(native, "library", lambda: None)
-    native._sample_functions.cache_clear()
+    native._shaping.cache_clear()
     try:
         assert draw(logits, params, seeds[1]) == native_token   # numpy's path: the same token, one uniform each
         assert seeds[0].random() == seeds[1].random()
     finally:
-        native._sample_functions.cache_clear()
+        native._shaping.cache_clear()

@@ -156,11 +156,7 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
         node.op_type, node.domain = OP, DOMAIN
         node.input[1] = f"{node.input[1]}.f16w"
     # The float32 weights no other node reads are dropped: their session never loads them.
-    used = {name for node in out.graph.node for name in node.input}
-    kept = [init for init in out.graph.initializer if init.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept + [packed[w] for w in weights])
-    return _import_domain(out)
+    return _with_initializers(out, [packed[w] for w in weights])
 
 
 def pack_swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -231,12 +227,7 @@ def use_swiglu(model, packed: dict[str, object]):
     out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.extend(fused[i][0] if i in fused else n for i, n in enumerate(nodes) if i not in dropped)
-    used = {name for n in out.graph.node for name in n.input}
-    kept = [init for init in out.graph.initializer if init.name in used]
-    new = sorted({n.input[1] for n, _ in fused.values()})
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept + [packed[w] for w in new])
-    return _import_domain(out)
+    return _with_initializers(out, [packed[w] for w in sorted({n.input[1] for n, _ in fused.values()})])
 
 
 # GroupQueryAttention as the lowering writes it, the only form TreeAttention implements.
@@ -401,27 +392,31 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.append(node)
-    kept = [init for init in out.graph.initializer if init.name in read]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept + [packed[name] for name in matrices]
-                                 + [numpy_helper.from_array(value, name) for name, value in constants.items() if name in read])
     del out.graph.value_info[:]
-    return _import_domain(out)
+    return _with_initializers(out, [packed[name] for name in matrices]
+                              + [numpy_helper.from_array(value, name) for name, value in constants.items() if name in read])
 
 
 @functools.lru_cache(maxsize=None)
-def _softmax_function():
-    """``specinfer_softmax`` of the library (``kernels/shaping.c``) through ctypes, or None."""
+def _shaping():
+    """``kernels/shaping.c``'s functions through ctypes (``softmax``, ``sample_softmax``,
+    ``sample_residual``), or None where the library does not run. Addresses go as plain integers:
+    ndpointer's checks cost more than the shaping of a row."""
     import ctypes
+    from types import SimpleNamespace
 
     path = library()
     if path is None:
         return None
-    function = ctypes.CDLL(str(path)).specinfer_softmax
-    function.restype = None
-    # Addresses as plain integers: ndpointer's checks cost more than the shaping of a row.
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p]
-    return function
+    lib = ctypes.CDLL(str(path))
+    c = SimpleNamespace(softmax=lib.specinfer_softmax, sample_softmax=lib.specinfer_sample_softmax,
+                        sample_residual=lib.specinfer_sample_residual)
+    c.softmax.restype = None
+    c.softmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p]  # logits, rows, V, T, out
+    c.sample_softmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]   # logits, V, T, u
+    c.sample_residual.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double]  # p, q, V, u
+    c.sample_softmax.restype = c.sample_residual.restype = ctypes.c_int64
+    return c
 
 
 def softmax(logits: np.ndarray, temperature: float) -> np.ndarray | None:
@@ -429,35 +424,18 @@ def softmax(logits: np.ndarray, temperature: float) -> np.ndarray | None:
     shaping of ``sampling.probabilities`` with no top-k or top-p cut, in one call of
     ``kernels/shaping.c``: ~10 us for 8k tokens against ~29 in numpy); None where the native
     kernels do not run or the logits are not float32."""
-    function = _softmax_function()
-    if function is None or logits.dtype != np.float32 or logits.ndim == 0 or logits.shape[-1] == 0:
+    functions = _shaping()
+    if functions is None or logits.dtype != np.float32 or logits.ndim == 0 or logits.shape[-1] == 0:
         return None
     logits = np.ascontiguousarray(logits)
     out = np.empty(logits.shape, np.float64)
-    function(logits.ctypes.data, logits.size // logits.shape[-1], logits.shape[-1], temperature, out.ctypes.data)
+    functions.softmax(logits.ctypes.data, logits.size // logits.shape[-1], logits.shape[-1], temperature, out.ctypes.data)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sample_functions():
-    """``specinfer_sample_softmax`` and ``specinfer_sample_residual`` (``kernels/shaping.c``) through
-    ctypes, or None."""
-    import ctypes
-
-    path = library()
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    softmax_draw, residual_draw = lib.specinfer_sample_softmax, lib.specinfer_sample_residual
-    softmax_draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]   # logits, V, T, u
-    residual_draw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double]  # p, q, V, u
-    softmax_draw.restype = residual_draw.restype = ctypes.c_int64
-    return softmax_draw, residual_draw
 
 
 def can_sample(logits: np.ndarray) -> bool:
     """Whether :func:`sample_softmax` draws from these logits (a float32 row, the library loaded)."""
-    return logits.dtype == np.float32 and logits.ndim == 1 and len(logits) > 0 and _sample_functions() is not None
+    return logits.dtype == np.float32 and logits.ndim == 1 and len(logits) > 0 and _shaping() is not None
 
 
 def sample_softmax(logits: np.ndarray, temperature: float, u: float) -> int:
@@ -466,21 +444,31 @@ def sample_softmax(logits: np.ndarray, temperature: float, u: float) -> int:
     same inverse CDF, up to float rounding), without writing the distribution: ~10 us cold for 8k
     tokens against ~90; -1 where the logits have no mass. Only where :func:`can_sample`."""
     logits = np.ascontiguousarray(logits)
-    return int(_sample_functions()[0](logits.ctypes.data, len(logits), temperature, u))
+    return int(_shaping().sample_softmax(logits.ctypes.data, len(logits), temperature, u))
 
 
 def sample_residual(p: np.ndarray, q: np.ndarray | None, u: float) -> int | None:
     """The token drawn with uniform ``u`` from normalize(max(0, p - q)) (float64 rows), as
     ``sample(residual(p, q))``, or with ``q`` None from normalize(p) (``sampling.inverse_cdf``);
     None where that has no mass or the library does not run (the caller then draws in numpy)."""
-    functions = _sample_functions()
+    functions = _shaping()
     if (functions is None or p.dtype != np.float64 or p.ndim != 1 or len(p) == 0
             or (q is not None and (q.dtype != np.float64 or q.shape != p.shape))):
         return None
     p = np.ascontiguousarray(p)
     q = None if q is None else np.ascontiguousarray(q)
-    token = int(functions[1](p.ctypes.data, None if q is None else q.ctypes.data, len(p), u))
+    token = int(functions.sample_residual(p.ctypes.data, None if q is None else q.ctypes.data, len(p), u))
     return token if token >= 0 else None
+
+
+def _with_initializers(out, added: list):
+    """``out`` (a rewrite's copy) keeping only the initializers its nodes read, then ``added``,
+    and importing the native domain."""
+    read = {name for node in out.graph.node for name in node.input}
+    kept = [init for init in out.graph.initializer if init.name in read]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept + list(added))
+    return _import_domain(out)
 
 
 def _import_domain(model):

@@ -16,6 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The lanes of 8 that hold values when `left` are left: all of them, or the first `left`. */
+static inline __mmask8 lanes8(int64_t left) { return left >= 8 ? 0xFF : (__mmask8)((1u << left) - 1); }
+
 /* exp(x) for x <= 0, 8 lanes of float64; 0 below -708 (under the smallest normal double). */
 static inline __m512d exp_pd(__m512d x) {
     __mmask8 live = _mm512_cmp_pd_mask(x, _mm512_set1_pd(-708.0), _CMP_GE_OQ);
@@ -38,21 +41,21 @@ __attribute__((visibility("default"))) void specinfer_softmax(const float *logit
     for (int64_t row = 0; row < rows; row++, logits += V, out += V) {
         __m512d top = _mm512_set1_pd(-INFINITY);
         for (int64_t i = 0; i < V; i += 8) {
-            __mmask8 m = V - i >= 8 ? 0xFF : (__mmask8)((1u << (V - i)) - 1);
+            __mmask8 m = lanes8(V - i);
             __m512d z = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, logits + i)), scale);
             _mm512_mask_storeu_pd(out + i, m, z);
             top = _mm512_mask_max_pd(top, m, top, z);
         }
         __m512d shift = _mm512_set1_pd(_mm512_reduce_max_pd(top)), sum = _mm512_setzero_pd();
         for (int64_t i = 0; i < V; i += 8) {
-            __mmask8 m = V - i >= 8 ? 0xFF : (__mmask8)((1u << (V - i)) - 1);
+            __mmask8 m = lanes8(V - i);
             __m512d e = exp_pd(_mm512_sub_pd(_mm512_maskz_loadu_pd(m, out + i), shift));
             _mm512_mask_storeu_pd(out + i, m, e);
             sum = _mm512_add_pd(sum, _mm512_maskz_mov_pd(m, e));
         }
         __m512d inverse = _mm512_set1_pd(1.0 / _mm512_reduce_add_pd(sum));   /* (a division a value cost 4 us a row) */
         for (int64_t i = 0; i < V; i += 8) {
-            __mmask8 m = V - i >= 8 ? 0xFF : (__mmask8)((1u << (V - i)) - 1);
+            __mmask8 m = lanes8(V - i);
             _mm512_mask_storeu_pd(out + i, m, _mm512_mul_pd(_mm512_maskz_loadu_pd(m, out + i), inverse));
         }
     }
@@ -78,7 +81,7 @@ static void softmax_weights(const void *src, int64_t i0, int64_t n, double *out)
     const Softmax *s = src;
     __m512d scale = _mm512_set1_pd(s->scale), shift = _mm512_set1_pd(s->shift);
     for (int64_t i = 0; i < n; i += 8) {
-        __mmask8 m = n - i >= 8 ? 0xFF : (__mmask8)((1u << (n - i)) - 1);
+        __mmask8 m = lanes8(n - i);
         __m512d z = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, s->logits + i0 + i)), scale);
         _mm512_mask_storeu_pd(out + i, m, exp_pd(_mm512_sub_pd(z, shift)));
     }
@@ -91,7 +94,7 @@ static void residual_weights(const void *src, int64_t i0, int64_t n, double *out
         return;
     }
     for (int64_t i = 0; i < n; i += 8) {
-        __mmask8 m = n - i >= 8 ? 0xFF : (__mmask8)((1u << (n - i)) - 1);
+        __mmask8 m = lanes8(n - i);
         __m512d d = _mm512_sub_pd(_mm512_maskz_loadu_pd(m, r->p + i0 + i), _mm512_maskz_loadu_pd(m, r->q + i0 + i));
         _mm512_mask_storeu_pd(out + i, m, _mm512_max_pd(d, _mm512_setzero_pd()));
     }
@@ -136,7 +139,7 @@ __attribute__((visibility("default"))) int64_t specinfer_sample_softmax(const fl
     Softmax s = {logits, 1.0 / temperature, 0.0};
     __m512d top = _mm512_set1_pd(-INFINITY), scale = _mm512_set1_pd(s.scale);
     for (int64_t i = 0; i < V; i += 8) {
-        __mmask8 m = V - i >= 8 ? 0xFF : (__mmask8)((1u << (V - i)) - 1);
+        __mmask8 m = lanes8(V - i);
         top = _mm512_mask_max_pd(top, m, top, _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, logits + i)), scale));
     }
     s.shift = _mm512_reduce_max_pd(top);
