@@ -259,7 +259,7 @@ def _sampling_ssms(a) -> list[Path]:
 
 # The trees `bench` runs unless given --tree. Greedy: the chain of 8 shows what a long one costs.
 # Under sampling a drafted token is accepted far less often than under greedy decoding, so short
-# chains are the fixed trees that pay there (README, "Benchmark": chains of 3 and 4 at T=0.7).
+# chains are the fixed trees that pay there (docs/benchmarks.md: chains of 3 and 4 at T=0.7).
 GREEDY_BENCH_TREES = [DYNAMIC, "1,1,1,1,1,1,1,1", "1,1,3,1,1,1,1,1"]
 SAMPLED_BENCH_TREES = [DYNAMIC, "1,1,1", "1,1,1,1"]
 

@@ -63,8 +63,8 @@ def parse_tree(spec: "str | Sequence[int] | None") -> list[int] | None:
     return parse_widths(",".join(map(str, spec)))
 
 
-# Where the embedded SSMs measured best on their held-out prompts with fixed trees, greedy (see the
-# README's benchmark). The dynamic tree sizes itself and needs no threshold. Nor do sampled drafts:
+# Where the embedded SSMs measured best on their held-out prompts with fixed trees, greedy (see
+# docs/benchmarks.md). The dynamic tree sizes itself and needs no threshold. Nor do sampled drafts:
 # a draw is accepted with sum min(p, q), not with its SSM's top probability, and a calibrated
 # (distilled) SSM's top probability is low where its draws are still accepted (held-out code,
 # temperature 0.7, a chain of 3: cut at 0.4, 1.77 tokens a step; uncut, 2.49).

@@ -321,7 +321,7 @@ class VerifyModel(_SequenceModel):
 
     The trees are not cut to a share of the batch here, as the fused engine's are: behind the
     ensemble a step's hops (the drafters, tree_builder, the orchestrator) cost more than the
-    verified tokens, and larger trees save hops (README, "Many requests at once")."""
+    verified tokens, and larger trees save hops (docs/batching.md)."""
 
     def __init__(self, runtime: Runtime, key: str | None = None, *, kv_budget: int | None = None,
                  prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS):

@@ -160,7 +160,7 @@ def relay(pb, model: str, inputs: Tensors, merge: Callable[[list[Tensors]], Tens
 
 # Seconds: at most one streamed response per request this often. Each response is work for
 # tritonserver and the client on the same cores: 16 streams served made 6% and 17% more tokens/s at
-# 0.05 than at 0.02 in two series, within this VM's noise (README, "The default interval is 50 ms").
+# 0.05 than at 0.02 in two series, within this VM's noise (docs/batching.md, "The default interval is 50 ms").
 STREAM_INTERVAL = 0.05
 # Seconds between a streamed request's questions whether its client cancelled (each a round trip):
 # a cancel stops the request's steps within this (a fused step of one sequence takes 1-3 ms).

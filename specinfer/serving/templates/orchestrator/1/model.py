@@ -62,7 +62,7 @@ class TritonPythonModel:
             self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
             # The scheduler's thread shares the GIL with two threads per request; after each model run
             # it waits for it at most this long (Python's default is 5 ms). Measured, 16 streams:
-            # 1029-1073 tokens/s at 0.1-1 ms against 924-949 at 5 ms (README, "Many requests at once").
+            # 1029-1073 tokens/s at 0.1-1 ms against 924-949 at 5 ms (docs/batching.md).
             sys.setswitchinterval(glue.FUSED_SWITCH_INTERVAL)
             max_context, eos_ids, vocab = llm.max_context, list(llm.config.eos_token_ids), llm.vocab_size
             make = lambda req, stats: glue.MeteredSpeculator(
