@@ -77,10 +77,11 @@ def test_the_mlp_activation_runs_inside_the_gate_up_product(family, exported, mo
     graph = native.use_swiglu(native.use_f16_weights(runtime._lowered, runtime.dir, {}), {})
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count(native.SWIGLU_OP) == runtime.config.num_layers and "Sigmoid" not in ops
-    assert native.SWIGLU_OP in runtime.native_ops
+    swiglu_ops = {native.SWIGLU_OP, native.NORMED_OPS[native.SWIGLU_OP]}   # the latter with its norm inside
+    assert swiglu_ops & runtime.native_ops
     monkeypatch.setattr(native, "use_swiglu", lambda model, packed: model)
     unfused = OrtRuntime(exported[family])
-    assert native.SWIGLU_OP not in unfused.native_ops
+    assert not swiglu_ops & unfused.native_ops
     logits = []
     for rt in (runtime, unfused):
         seq = rt.start()
@@ -88,6 +89,75 @@ def test_the_mlp_activation_runs_inside_the_gate_up_product(family, exported, mo
         logits.append(rt.score(seq, [61, 7, 9, 11], [-1, 0, 0, 1]))
         rt.release(seq)
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_the_normed_kernels_are_the_product_of_the_rms_norm_of_the_sum_whatever_the_batch(swiglu):
+    """SkipRMSNormMatMulF16W(SwiGLU): the product (or the activation) of RMSNorm(x + skip) * gamma,
+    and x + skip, each row bit for bit what it is alone; rows of 32 and more normalized on the pool
+    the same as fewer. A hidden size that is no multiple of 16 (the lanes' tails) included."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specinfer.engines.onnxruntime import open_session
+
+    rng = np.random.default_rng(3)
+    k, n, eps = 72, 128, 1e-5
+    w = (rng.standard_normal((2, k, n // 2) if swiglu else (k, n)) * 0.2).astype(np.float16)
+    packed = native.pack_swiglu(*w) if swiglu else native.pack_panels(w)
+    op = native.NORMED_OPS[native.SWIGLU_OP if swiglu else native.OP]
+    gamma = (1 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    node = helper.make_node(op, ["x", "skip", "gamma", "eps", "w"], ["c", "sum"], domain=native.DOMAIN)
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, "m", k]) for name in ("x", "skip")]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("c", "sum")]
+    inits = [numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(np.array([eps], np.float32), "eps"),
+             numpy_helper.from_array(packed, "w")]
+    model = helper.make_model(helper.make_graph([node], "g", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native.DOMAIN, 1)])
+    session = open_session(model.SerializeToString(), libraries=[native.library()])
+    x, skip = rng.standard_normal((2, 1, 45, k)).astype(np.float32)
+    product, total = session.run(None, {"x": x, "skip": skip})
+    s = x.astype(np.float64) + skip
+    normed = s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * gamma
+    if swiglu:
+        g, u = normed @ w[0].astype(np.float64), normed @ w[1].astype(np.float64)
+        expected = g / (1 + np.exp(-g)) * u
+    else:
+        expected = normed @ w.astype(np.float64)
+    np.testing.assert_array_equal(total, x + skip)
+    np.testing.assert_allclose(product, expected, rtol=1e-5, atol=1e-5)
+    for m in (1, 6, 33):   # 33: normalized on the pool
+        for start in (0, 7, 12):
+            part = session.run(None, {"x": x[:, start:start + m], "skip": skip[:, start:start + m]})
+            np.testing.assert_array_equal(part[0], product[:, start:start + m])
+            np.testing.assert_array_equal(part[1], total[:, start:start + m])
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_the_residual_norms_run_inside_the_products_they_lead(family, exported, monkeypatch):
+    """Every SkipSimplifiedLayerNormalization whose output one native product reads goes inside it
+    (two a layer: the MLP's, and the next layer's or the final one); logits of a prefill and a
+    branching tree agree with the graph's norms."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+
+    runtime = OrtRuntime(exported[family])
+    unfused = native.use_swiglu(native.use_f16_weights(runtime._lowered, runtime.dir, {}), {})
+    graph = native.use_skip_norms(unfused)
+    ops = [n.op_type for n in graph.graph.node]
+    assert "SkipSimplifiedLayerNormalization" not in ops
+    assert sum(op in native.NORMED_OPS.values() for op in ops) == 2 * runtime.config.num_layers
+    assert len(ops) == len(unfused.graph.node) - 2 * runtime.config.num_layers
+    assert set(native.NORMED_OPS.values()) <= runtime.native_ops
+    monkeypatch.setattr(native, "use_skip_norms", lambda model: model)
+    plain = OrtRuntime(exported[family])
+    assert not set(native.NORMED_OPS.values()) & plain.native_ops
+    logits = []
+    for rt in (runtime, plain):
+        seq = rt.start()
+        first = rt.prefill(seq, [1, 17, 42, 99, 5, 23, 8])
+        logits.append((first, rt.score(seq, [61, 7, 9, 11], [-1, 0, 0, 1])))
+        rt.release(seq)
+    for ours, theirs in zip(*logits):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_only_matmuls_by_float16_exact_weights_are_rewritten(tmp_path):
@@ -124,7 +194,7 @@ def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matm
     finally:
         monkeypatch.delenv("SPECINFER_NATIVE")
         native.library.cache_clear()
-    assert on.native_ops == {native.OP, native.SWIGLU_OP, native.ATTENTION_OP} and not off.native_ops
+    assert on.native_ops == {native.OP, *native.NORMED_OPS.values(), native.ATTENTION_OP} and not off.native_ops
     prompt = [1, 17, 42, 99, 5, 23, 8, 61]
     logits = []
     for runtime in (on, off):

@@ -212,6 +212,7 @@ class OrtRuntime(Runtime):
         if library is not None:
             graph = native.use_draft_chain(graph, self.dir, self._draft_panels)
             graph = native.use_swiglu(native.use_f16_weights(graph, self.dir, self._f16_weights), self._f16_weights)
+            graph = native.use_skip_norms(graph)
             graph = native.use_slot_attention(native.use_tree_attention(graph))
         ops = native.native_ops(graph)
         self.native_ops |= ops
