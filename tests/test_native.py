@@ -492,6 +492,20 @@ def test_the_native_drafter_names_a_bad_input(exported):
         binding.session.run_with_iobinding(binding.io)
 
 
+def test_the_native_drafter_refuses_two_sequences_with_different_inputs_on_one_cache(exported):
+    """A batch's spare slots share one scratch cache and draft the same, drafted once; two slots on
+    one cache with different tokens would write it at once, so the node refuses them."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+
+    runtime = OrtRuntime(exported["llama3"])
+    first, second = runtime.start(), runtime.start()
+    for seq in (first, second):
+        runtime.prefill(seq, [1, 17, 42])
+    runtime._get(second).kv = runtime._get(first).kv   # bound as one cache in the batch
+    with pytest.raises(Exception, match="DraftChain: two sequences with different inputs share a cache"):
+        runtime.draft_chains([(first, [7], 3, None), (second, [8], 3, None)])
+
+
 def test_a_large_models_drafter_stays_a_graph_on_the_pool(exported, monkeypatch):
     """The LLM drafting its own chain (incremental decoding) keeps its graph: the node runs on one thread."""
     from specinfer.engines.onnxruntime import OrtRuntime
