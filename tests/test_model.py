@@ -89,7 +89,6 @@ def test_missing_weights_and_folder(checkpoints, tmp_path):
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    import transformers
     src = make_checkpoint(tmp_path / "src", "mistral")
     hf = hf_model(src)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")

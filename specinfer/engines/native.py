@@ -174,15 +174,9 @@ def use_swiglu(model, packed: dict[str, object]):
     ``MatMulF16WSwiGLU`` on the weight repacked (each panel: 32 columns of Wg, then Wu's same 32),
     or ``model`` itself where there is none. ``packed`` as :func:`use_f16_weights` fills it (the
     repacked weights go there too)."""
-    import onnx
     from onnx import helper, numpy_helper
 
-    nodes = list(model.graph.node)
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            readers.setdefault(name, []).append(i)
-    outputs = {o.name for o in model.graph.output}
+    nodes, readers, outputs = _readers(model)
 
     def only_reader(name: str, op: str):
         """The index of the one node reading ``name``, if it is an ``op`` of the default domain."""
@@ -224,11 +218,8 @@ def use_swiglu(model, packed: dict[str, object]):
     if not fused:
         return model
     dropped = set().union(*(r for _, r in fused.values()))
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(fused[i][0] if i in fused else n for i, n in enumerate(nodes) if i not in dropped)
-    return _with_initializers(out, [packed[w] for w in sorted({n.input[1] for n, _ in fused.values()})])
+    return _with_nodes(model, [fused[i][0] if i in fused else n for i, n in enumerate(nodes) if i not in dropped],
+                       [packed[w] for w in sorted({n.input[1] for n, _ in fused.values()})])
 
 
 def use_skip_norms(model):
@@ -236,17 +227,11 @@ def use_skip_norms(model):
     run inside the one ``MatMulF16W`` or ``MatMulF16WSwiGLU`` reading their normalized output, as
     ``SkipRMSNormMatMulF16W`` or ``SkipRMSNormMatMulF16WSwiGLU`` (which also write the sum the norm
     gave the next residual), or ``model`` itself where none does. Why: such a norm is a few hundred
-    additions a token, but a kernel of its own costs ~6 us of ONNX Runtime's at one token, 12 times
-    a step of the embedded LLM."""
-    import onnx
+    additions a token, but a kernel of its own costs what ONNX Runtime spends on any kernel (12 of
+    the embedded LLM's 47 a step; without them its step is 1-5% faster)."""
     from onnx import helper, numpy_helper
 
-    nodes = list(model.graph.node)
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            readers.setdefault(name, []).append(i)
-    outputs = {o.name for o in model.graph.output}
+    nodes, readers, outputs = _readers(model)
     fused, dropped, epsilons = {}, set(), {}
     for index, node in enumerate(nodes):
         if (node.op_type != "SkipSimplifiedLayerNormalization" or node.domain != "com.microsoft"
@@ -266,14 +251,10 @@ def use_skip_norms(model):
         dropped.add(at[0])
     if not fused:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
     # Each fused node stands where its norm stood: its inputs are ready there, and whatever reads its
     # product came after the product's old node, which came after the norm.
-    out.graph.node.extend(fused.get(i, n) for i, n in enumerate(nodes) if i not in dropped)
-    added = [numpy_helper.from_array(np.array([eps], np.float32), name) for eps, name in epsilons.items()]
-    return _with_initializers(out, added)
+    return _with_nodes(model, [fused.get(i, n) for i, n in enumerate(nodes) if i not in dropped],
+                       [numpy_helper.from_array(np.array([eps], np.float32), name) for eps, name in epsilons.items()])
 
 
 # GroupQueryAttention as the lowering writes it, the only form TreeAttention implements.
@@ -505,6 +486,27 @@ def sample_residual(p: np.ndarray, q: np.ndarray | None, u: float) -> int | None
     q = None if q is None else np.ascontiguousarray(q)
     token = int(functions.sample_residual(p.ctypes.data, None if q is None else q.ctypes.data, len(p), u))
     return token if token >= 0 else None
+
+
+def _readers(model) -> tuple[list, dict[str, list[int]], set[str]]:
+    """``model``'s nodes, the indices of the nodes reading each value, and its graph outputs' names."""
+    nodes = list(model.graph.node)
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, []).append(i)
+    return nodes, readers, {o.name for o in model.graph.output}
+
+
+def _with_nodes(model, nodes: list, added: list):
+    """A copy of ``model`` running ``nodes`` (as :func:`_with_initializers` keeps its initializers)."""
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return _with_initializers(out, added)
 
 
 def _with_initializers(out, added: list):
