@@ -207,9 +207,10 @@ def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matm
     assert tokens[0] == tokens[1]
 
 
-def _attention_session(heads: int, kv_heads: int, d: int, capacity: int, tree_inputs: bool, native_op: bool):
+def _attention_session(heads: int, kv_heads: int, d: int, capacity: int, tree_inputs: bool, native_op: bool,
+                       f16_kv: bool = False):
     """One GroupQueryAttention node as the lowering writes it (rotary inside, the cache bound in
-    place), or its TreeAttention rewrite."""
+    place), or its TreeAttention rewrite (``f16_kv``: on a float16 cache)."""
     from onnx import TensorProto, helper
 
     from specinfer.engines.onnxruntime import open_session
@@ -240,6 +241,9 @@ def _attention_session(heads: int, kv_heads: int, d: int, capacity: int, tree_in
     if native_op:
         model = native.use_tree_attention(model)
         assert [n.op_type for n in model.graph.node] == [native.ATTENTION_OP]
+    if f16_kv:
+        model = native.use_f16_kv(model)
+        assert [n.op_type for n in model.graph.node] == [native.F16_KV_OPS[native.ATTENTION_OP]]
     return open_session(model.SerializeToString(), libraries=[native.library()] if native_op else [])
 
 
@@ -290,6 +294,26 @@ def test_tree_attention_computes_what_group_query_attention_does(heads, kv_heads
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)   # the new rows, rotated keys and values
     np.testing.assert_array_equal(ours[:, :, :, past + 8:], theirs[:, :, :, past + 8:])   # nothing else written
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (8, 1, 48)])
+def test_tree_attention_on_a_float16_cache_is_the_float32_one_on_its_values(heads, kv_heads, d):
+    """TreeAttentionF16KV over a float16 cache: the new tokens' keys and values are written as
+    TreeAttention writes them, rounded to float16, the past is left as it was, and the output is
+    TreeAttention's over the same values up to that rounding of the new rows (each query also
+    attends to its own, rounded, key)."""
+    rng = np.random.default_rng(d)
+    past, capacity, parents = 37, 64, [-1, 0, 0, 1, 1, 2, 5, -1]
+    qkv = rng.standard_normal((1, 8, (heads + 2 * kv_heads) * d)).astype(np.float32)
+    half = rng.standard_normal((2, 1, kv_heads, capacity, d)).astype(np.float16)
+    before, wide = half.copy(), half.astype(np.float32)
+    out16 = _attend(_attention_session(heads, kv_heads, d, capacity, True, True, f16_kv=True), half, qkv, parents, past)
+    out32 = _attend(_attention_session(heads, kv_heads, d, capacity, True, True), wide, qkv, parents, past)
+    np.testing.assert_array_equal(half, wide.astype(np.float16))
+    np.testing.assert_array_equal(half[..., :past, :], before[..., :past, :])
+    assert not np.array_equal(half[..., past:past + 8, :], before[..., past:past + 8, :])
+    np.testing.assert_allclose(out16, out32, rtol=0, atol=2e-3)
+    assert np.abs(out16 - out32).max() > 0   # the rounding of the new rows shows
 
 
 def test_a_tree_node_attends_bit_for_bit_as_the_same_token_in_a_chain():
@@ -546,3 +570,50 @@ def test_a_batched_drafter_becomes_one_node_that_drafts_each_sequence_as_alone(e
     assert {"DraftChain", "DraftChainSampled"} <= runtime.native_ops
     for together, alone in zip(*drafts):   # bit for bit: the same computation per sequence
         assert all(np.array_equal(a, b) for a, b in zip(together, alone))
+
+
+def test_float16_kv_caches_decode_as_float32_ones_up_to_their_rounding(exported, monkeypatch):
+    """An LLM on float16 caches (``OrtRuntime(kv_dtype="float16")``): half the bytes a token, logits
+    within the caches' rounding of float32 ones, a sequence's logits in a batch bit for bit its
+    logits alone, greedy speculative decoding token for token its incremental decoding (the SSM on
+    float16 caches too, drafting as a graph), and a clear refusal where it cannot run."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+    from specinfer.errors import SpecInferError
+    from specinfer.generate import generate_ids
+
+    wide, half = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"], kv_dtype="float16")
+    assert half.kv_bytes_per_token * 2 == wide.kv_bytes_per_token
+    prompt, tree, parents = [1, 17, 42, 99, 5, 23, 8], [61, 7, 9, 11], [-1, 0, 0, 1]
+    logits = []
+    for rt in (wide, half):
+        seq = rt.start()
+        first = rt.prefill(seq, prompt)
+        logits.append((first, rt.score(seq, tree, parents)))
+        assert rt._get(seq).kv.dtype == rt.kv_dtype
+        rt.release(seq)
+    assert native.F16_KV_OPS[native.ATTENTION_OP] in half.native_ops
+    for ours, theirs in zip(*logits):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=5e-3)
+    seqs = [half.start() for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        half.prefill(seq, prompt[:4 + i])
+    together = half.score_batch([(seq, tree[:1 + i], parents[:1 + i]) for i, seq in enumerate(seqs)])
+    assert native.F16_KV_OPS[native.SLOTS_OP] in half.native_ops
+    for i, seq in enumerate(seqs):
+        half.commit(seq, [])
+        np.testing.assert_array_equal(together[i], half.score(seq, tree[:1 + i], parents[:1 + i]))
+        half.release(seq)
+    ssm = OrtRuntime(exported["llama3"], kv_dtype="float16")
+    incremental = sum(generate_ids(half, prompt, tree=[], max_new_tokens=24), [])
+    assert sum(generate_ids(half, prompt, ssms=[ssm], tree=[2, 1, 1], max_new_tokens=24), []) == incremental
+    assert not set(native.DRAFT_OPS.values()) & ssm.native_ops
+    with pytest.raises(SpecInferError, match="KV cache type must be one of float32, float16"):
+        OrtRuntime(exported["llama3"], kv_dtype="bfloat16")
+    monkeypatch.setenv("SPECINFER_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        with pytest.raises(SpecInferError, match="float16 KV caches need the native kernels"):
+            OrtRuntime(exported["llama3"], kv_dtype="float16")
+    finally:
+        monkeypatch.delenv("SPECINFER_NATIVE")
+        native.library.cache_clear()

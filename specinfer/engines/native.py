@@ -44,6 +44,7 @@ SWIGLU_OP = "MatMulF16WSwiGLU"
 NORMED_OPS = {OP: "SkipRMSNormMatMulF16W", SWIGLU_OP: "SkipRMSNormMatMulF16WSwiGLU"}   # by the product they lead
 ATTENTION_OP = "TreeAttention"
 SLOTS_OP = "TreeAttentionSlots"
+F16_KV_OPS = {ATTENTION_OP: "TreeAttentionF16KV", SLOTS_OP: "TreeAttentionSlotsF16KV"}   # over float16 caches
 DRAFT_OPS = {"draft_mass": "DraftChain", "draft_choice": "DraftChainSampled"}   # by the drafter's last output
 PANEL = 64                       # weight columns per packed panel (the kernel's PANEL)
 CPU_FLAGS = ("avx512f", "f16c", "fma")
@@ -350,6 +351,39 @@ def use_slot_attention(model):
 
 
 _NO_BIAS = "tree_attention_slots.no_bias"   # an empty tensor: that sequence's attention is causal
+
+
+def use_f16_kv(model):
+    """A copy of ``model`` on float16 caches: its attention nodes run ``TreeAttentionF16KV`` and
+    ``TreeAttentionSlotsF16KV``, and the pasts they read and presents they write are float16 in
+    the graph; None where not every cache is read and written by those nodes alone (ONNX Runtime's
+    GroupQueryAttention and the drafter node take float32 caches only)."""
+    import onnx
+
+    nodes, readers, _ = _readers(model)
+    pasts, presents = set(), set()
+    for node in nodes:
+        if node.domain == DOMAIN and node.op_type == ATTENTION_OP:
+            pasts |= {node.input[1], node.input[2]}
+            presents |= {node.output[1], node.output[2]}
+        elif node.domain == DOMAIN and node.op_type == SLOTS_OP:   # 6 inputs, then 5 a sequence: key, value, ...
+            pasts |= {name for i, name in enumerate(node.input[6:]) if i % 5 < 2}
+            presents |= set(node.output[1:])
+        elif node.op_type == "GroupQueryAttention" or node.op_type in DRAFT_OPS.values():
+            return None
+    attention = lambda i: nodes[i].domain == DOMAIN and nodes[i].op_type in F16_KV_OPS
+    graph_inputs = {i.name for i in model.graph.input}
+    if not pasts or not pasts <= graph_inputs or not all(attention(i) for name in pasts for i in readers[name]):
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.domain == DOMAIN and node.op_type in F16_KV_OPS:
+            node.op_type = F16_KV_OPS[node.op_type]
+    for value in list(out.graph.input) + list(out.graph.output):
+        if value.name in pasts | presents:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    return out
 
 
 def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):

@@ -31,6 +31,7 @@ from .runtime import ChainDraft, Runtime, SequenceState
 
 MANIFEST = "manifest.json"
 LOWEST = np.finfo(np.float32).min
+KV_DTYPES = ("float32", "float16")   # what a cache may hold (float16: native kernels only)
 SMALL_MODEL_PARAMETERS = 4_000_000
 
 
@@ -166,7 +167,8 @@ class OrtRuntime(Runtime):
     slot_axis = 3               # kv[layer, K|V, kv_head, slot, head_dim]
     initial_slots = 64          # a sequence's buffer doubles from here as it grows
 
-    def __init__(self, onnx_dir: str | Path, threads: int | None = None, max_context: int | None = None):
+    def __init__(self, onnx_dir: str | Path, threads: int | None = None, max_context: int | None = None,
+                 kv_dtype: str = "float32"):
         import onnx
 
         from ..export.ort_lowering import ORT_ONNX, output_names, select_logit_rows
@@ -181,6 +183,15 @@ class OrtRuntime(Runtime):
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
         self.threads = threads   # None: the process's shared pool
+        if kv_dtype not in KV_DTYPES:
+            raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        if kv_dtype == "float16" and native.library() is None:
+            raise SpecInferError("float16 KV caches need the native kernels (Linux x86-64 with AVX-512 and F16C, a C "
+                                 "compiler, SPECINFER_NATIVE not 0); use float32")
+        # Float16 caches: half the bytes a step reads from them (a batch of many sequences reads them
+        # from memory), twice the tokens in a KV budget; K and V rounded to float16 as written.
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.kv_itemsize = self.kv_dtype.itemsize
         self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
         self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
@@ -209,11 +220,17 @@ class OrtRuntime(Runtime):
         export's file), on the native kernels where they run (:mod:`~specinfer.engines.native`):
         a small model's drafter as one node, MatMuls by float16-exact weights, and the attention."""
         library = native.library()
+        half = self.kv_dtype == np.float16
         if library is not None:
-            graph = native.use_draft_chain(graph, self.dir, self._draft_panels)
+            if not half:   # the drafter node reads float32 caches only
+                graph = native.use_draft_chain(graph, self.dir, self._draft_panels)
             graph = native.use_swiglu(native.use_f16_weights(graph, self.dir, self._f16_weights), self._f16_weights)
             graph = native.use_skip_norms(graph)
             graph = native.use_slot_attention(native.use_tree_attention(graph))
+        if half:
+            graph = native.use_f16_kv(graph)
+            if graph is None:
+                raise SpecInferError(f"{self.dir}: this model's attention cannot run on float16 KV caches; use float32")
         ops = native.native_ops(graph)
         self.native_ops |= ops
         return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,
@@ -222,7 +239,7 @@ class OrtRuntime(Runtime):
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
         head_dim = self.manifest.get("ort_head_dim", c.head_dim)   # padded to a multiple of 16
-        return np.zeros((c.num_layers, 2, c.num_kv_heads, capacity, head_dim), dtype=np.float32)
+        return np.zeros((c.num_layers, 2, c.num_kv_heads, capacity, head_dim), dtype=self.kv_dtype)
 
     def _bind_cache(self, session, seq: SequenceState, presents: list[list[str]]) -> "_Binding":
         """A binding of ``session`` with the sequence's cache bound as its past and as every one of
@@ -519,9 +536,9 @@ def _bind_kv(io, seq: SequenceState, pasts: list[tuple[str, str]], presents: lis
     for layer, names in enumerate(pasts):
         for kind, past in enumerate(names):
             address = seq.kv[layer, kind].ctypes.data
-            io.bind_input(past, "cpu", 0, np.float32, shape, address)
+            io.bind_input(past, "cpu", 0, seq.kv.dtype.type, shape, address)
             for present in presents[layer][kind::2]:
-                io.bind_output(present, "cpu", 0, np.float32, shape, address)
+                io.bind_output(present, "cpu", 0, seq.kv.dtype.type, shape, address)
 
 
 def _bind_slots(io, bound: dict, seqs: list[SequenceState], spare: SequenceState, size: int, names) -> list[int]:

@@ -173,11 +173,13 @@ class Runtime(abc.ABC):
         with self._lock:
             return sum(size(seq.kv) for seq in self._sequences.values())
 
+    kv_itemsize: int = 4   # bytes of a cached value (float32; an engine may keep float16)
+
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes in this model (float32 K and V in every layer)."""
+        """Bytes of KV cache one token takes in this model (K and V in every layer)."""
         c = self.config
-        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.kv_itemsize
 
     def score(self, seq_id: Hashable, tokens: Sequence[int], parents: Sequence[int] | None = None) -> np.ndarray:
         """Score new pending nodes; returns their logits, float32 [T, V].

@@ -61,20 +61,26 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+/* 16 values of a cache from element `at` on: float, or float16 widened (exactly). */
+static inline __m512 row16(const void *cache, int half, size_t at) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at)))
+                : _mm512_loadu_ps((const float *)cache + at);
+}
+
 /* out[h] = sum_i p[h][i] v_i / l[h] over columns [16 c0, 16 (c0 + chunks)) for `heads` heads,
  * key by key in order (l[h] = sum_i p[h][i], summed on the first columns only). Constant heads
  * and chunks keep the accumulators in registers. */
-static inline __attribute__((always_inline)) void weigh(const float *V, const uint32_t *visible, size_t n, size_t D,
-                                                       const float *p, size_t stride, float *l, float *out,
+static inline __attribute__((always_inline)) void weigh(const void *V, int half, const uint32_t *visible, size_t n,
+                                                       size_t D, const float *p, size_t stride, float *l, float *out,
                                                        const int heads, const int chunks, size_t c0) {
     __m512 acc[4][4];
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int h = 0; h < heads; h++)
         for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_setzero_ps();
     for (size_t i = 0; i < n; i++) {
-        const float *v = V + (size_t)visible[i] * D + 16 * c0;
+        size_t v = (size_t)visible[i] * D + 16 * c0;
         __m512 x[4];
-        for (int c = 0; c < chunks; c++) x[c] = _mm512_loadu_ps(v + 16 * c);
+        for (int c = 0; c < chunks; c++) x[c] = row16(V, half, v + 16 * c);
         for (int h = 0; h < heads; h++) {
             float w = p[h * stride + i];
             sum[h] += w;
@@ -89,9 +95,9 @@ static inline __attribute__((always_inline)) void weigh(const float *V, const ui
     }
 }
 
-#define WEIGH(H, C) weigh(V, visible, n, D, p + h * n, n, l + h, out + h * D, H, C, c0)
-static void weigh_all(const float *V, const uint32_t *visible, size_t n, size_t D, const float *p, size_t group,
-                      float *out) {
+#define WEIGH(H, C) weigh(V, half, visible, n, D, p + h * n, n, l + h, out + h * D, H, C, c0)
+static void weigh_all(const void *V, int half, const uint32_t *visible, size_t n, size_t D, const float *p,
+                      size_t group, float *out) {
     float l[MAX_GROUP];
     for (size_t h = 0; h < group; h += 4) {
         size_t heads = group - h < 4 ? group - h : 4;
@@ -113,11 +119,13 @@ static void weigh_all(const float *V, const uint32_t *visible, size_t n, size_t 
 void attend_task(const Job *job, size_t task) {
     size_t D = job->D, g = task % job->Hkv, t = (task / job->Hkv) % job->T, b = task / (job->Hkv * job->T);
     size_t group = job->H / job->Hkv, width = (job->H + 2 * job->Hkv) * D, keys = past_of(job, b) + t + 1;
-    const float *K = job->keys + (b * job->Hkv + g) * job->S * D, *V = job->values + (b * job->Hkv + g) * job->S * D;
+    size_t head = (b * job->Hkv + g) * job->S * D, bytes = job->half ? 2 : 4;
+    const void *K = (const char *)job->keys + head * bytes, *V = (const char *)job->values + head * bytes;
     const float *bias = job->bias ? job->bias + ((job->bias_batch > 1 ? b : 0) * job->T + t) * job->total : NULL;
     size_t pos = position_of(job, b, t);
 
     float q[MAX_GROUP * 256] __attribute__((aligned(64)));
+    float wide[16 * 256] __attribute__((aligned(64)));   /* a block of float16 keys, widened */
     for (size_t h = 0; h < group; h++)
         rotate(job->qkv + (b * job->T + t) * width + (g * group + h) * D, q + h * D, job->cos + pos * D / 2,
                job->sin + pos * D / 2, D);
@@ -138,7 +146,14 @@ void attend_task(const Job *job, size_t task) {
     for (size_t i0 = 0; i0 < n; i0 += 16) {   /* 16 keys at a time; a short last block repeats its last key */
         size_t m = n - i0 < 16 ? n - i0 : 16;
         const float *k[16];
-        for (size_t j = 0; j < 16; j++) k[j] = K + (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
+        if (job->half)   /* the block's keys widened once, for every head of the group */
+            for (size_t j = 0; j < 16; j++) {
+                size_t at = (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
+                for (size_t c = 0; c < D; c += 16) _mm512_store_ps(wide + j * D + c, row16(K, 1, at + c));
+                k[j] = wide + j * D;
+            }
+        else
+            for (size_t j = 0; j < 16; j++) k[j] = (const float *)K + (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
         for (size_t h = 0; h < group; h++) {
             const float *qh = q + h * D;
             __m512 acc[16];
@@ -164,7 +179,7 @@ void attend_task(const Job *job, size_t task) {
         for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
         if (i < n) _mm512_mask_storeu_ps(row + i, tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), shift)));
     }
-    weigh_all(V, visible, n, D, s, group, out);
+    weigh_all(V, job->half, visible, n, D, s, group, out);
     free(s);
     free(visible);
 }
@@ -185,30 +200,43 @@ static OrtStatus *check(const Job *job, size_t positions) {
     return NULL;
 }
 
+/* D floats into a cache row: copied, or rounded to float16 (to nearest even). */
+static void put_row(void *cache, int half, size_t at, const float *x, size_t D) {
+    if (!half) {
+        memcpy((float *)cache + at, x, D * sizeof(float));
+        return;
+    }
+    for (size_t c = 0; c < D; c += 16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)cache + at + c),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 /* The new tokens' keys (rotated) and values written at slots P .. P + T - 1 of the presents (the
- * past copied first where a present is not bound to it). */
-void store_new(const Job *job, const float *past_key, const float *past_value) {
-    const float *past[2] = {past_key, past_value};
-    float *present[2] = {job->keys, job->values};
-    size_t width = (job->H + 2 * job->Hkv) * job->D, D = job->D;
+ * past copied first where a present is not bound to it), in the presents' type. */
+void store_new(const Job *job, const void *past_key, const void *past_value) {
+    const void *past[2] = {past_key, past_value};
+    void *present[2] = {job->keys, job->values};
+    size_t width = (job->H + 2 * job->Hkv) * job->D, D = job->D, bytes = job->half ? 2 : 4;
+    float rotated[256];
     for (size_t b = 0; b < job->B; b++) {
         size_t P = past_of(job, b);
         for (size_t g = 0; g < job->Hkv; g++) {
             size_t head = (b * job->Hkv + g) * job->S * D;
             for (int kv = 0; kv < 2; kv++)
-                if (present[kv] != past[kv]) memcpy(present[kv] + head, past[kv] + head, P * D * sizeof(float));
+                if (present[kv] != past[kv])
+                    memcpy((char *)present[kv] + head * bytes, (const char *)past[kv] + head * bytes, P * D * bytes);
             for (size_t t = 0; t < job->T; t++) {
                 const float *x = job->qkv + (b * job->T + t) * width;
                 size_t pos = position_of(job, b, t);
-                rotate(x + (job->H + g) * D, job->keys + head + (P + t) * D, job->cos + pos * D / 2, job->sin + pos * D / 2, D);
-                memcpy(job->values + head + (P + t) * D, x + (job->H + job->Hkv + g) * D, D * sizeof(float));
+                rotate(x + (job->H + g) * D, rotated, job->cos + pos * D / 2, job->sin + pos * D / 2, D);
+                put_row(job->keys, job->half, head + (P + t) * D, rotated, D);
+                put_row(job->values, job->half, head + (P + t) * D, x + (job->H + job->Hkv + g) * D, D);
             }
         }
     }
 }
 
-static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
+static OrtStatus *compute_kv(OrtKernelContext *ctx, int half) {
     const OrtValue *in[10] = {NULL};
     for (size_t i = 0; i < 10; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &in[i]);
     int64_t qd[3], kd[4], cd[2], bd[4], pd[2], sd[1];
@@ -250,6 +278,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     job.out = data_of(out[0]);
     job.keys = data_of(out[1]);
     job.values = data_of(out[2]);
+    job.half = half;
     store_new(&job, data_of(in[1]), data_of(in[2]));
     if (job.B > 0 && job.T > 0)
         CALL(KernelContext_ParallelFor, ParallelForFn)(ctx, attend, job.B * job.T * job.Hkv, 0, &job);
@@ -257,20 +286,34 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static void compute_v1(void *kernel, OrtKernelContext *ctx) { (void)kernel; (void)ctx; }   /* never called: V2 is set */
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { (void)kernel; return compute_kv(ctx, 0); }
+static OrtStatus *compute_f16(void *kernel, OrtKernelContext *ctx) { (void)kernel; return compute_kv(ctx, 1); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "TreeAttention"; }
+static const char *f16_name(const OrtCustomOp *op) { (void)op; return "TreeAttentionF16KV"; }
 static int input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 3 || i == 4 ? TYPE_INT32 : i == 7 ? TYPE_INT64 : TYPE_FLOAT;
 }
+static int f16_input_type(const OrtCustomOp *op, size_t i) { return i == 1 || i == 2 ? TYPE_FLOAT16 : input_type(op, i); }
 static size_t inputs(const OrtCustomOp *op) { (void)op; return 10; }
 static int input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i == 7 || i == 8 ? INPUT_OPTIONAL : INPUT_REQUIRED; }
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static int f16_output_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_FLOAT16; }
 static size_t outputs(const OrtCustomOp *op) { (void)op; return 3; }
 
 OrtCustomOp tree_attention_op = {
     API_VERSION, stateless_kernel, op_name, op_cpu, input_type, inputs, output_type, outputs, compute_v1,
     op_destroy, input_kind, op_required, op_default_memory, op_arity, op_homogeneous, op_arity, op_homogeneous,
     stateless_kernel_v2, compute, NULL, op_start_version, op_end_version, NULL, NULL, NULL, NULL,
+};
+
+/* TreeAttentionF16KV: the same over a cache of float16 (past and present float16, rows widened as
+ * read and rounded to nearest as written; the arithmetic float32 as above): half the cache's
+ * bytes, which a batch of many sequences reads from memory every step. */
+OrtCustomOp tree_attention_f16_op = {
+    API_VERSION, stateless_kernel, f16_name, op_cpu, f16_input_type, inputs, f16_output_type, outputs, compute_v1,
+    op_destroy, input_kind, op_required, op_default_memory, op_arity, op_homogeneous, op_arity, op_homogeneous,
+    stateless_kernel_v2, compute_f16, NULL, op_start_version, op_end_version, NULL, NULL, NULL, NULL,
 };
 
 /* TreeAttentionSlots: the attention of n sequences' new tokens in one call, each sequence on its
@@ -304,8 +347,7 @@ static void attend_slot(void *data, size_t task) {
     attend_task(&slots->jobs[lo], task - slots->first[lo]);
 }
 
-static OrtStatus *compute_slots(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
+static OrtStatus *compute_slots_kv(OrtKernelContext *ctx, int half) {
     const OrtValue *in[FIXED_INPUTS] = {NULL};
     for (size_t i = 0; i < FIXED_INPUTS; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &in[i]);
     int64_t qd[3], nd[1], cd[2], pd[2];
@@ -386,6 +428,7 @@ static OrtStatus *compute_slots(void *kernel, OrtKernelContext *ctx) {
         job->out = attn + row * job->H * D;
         job->keys = data_of(present[0]);
         job->values = data_of(present[1]);
+        job->half = half;
         store_new(job, data_of(past[0]), data_of(past[1]));
         row += job->T;
     }
@@ -397,7 +440,10 @@ done:
     return bad;
 }
 
+static OrtStatus *compute_slots(void *kernel, OrtKernelContext *ctx) { (void)kernel; return compute_slots_kv(ctx, 0); }
+static OrtStatus *compute_slots_f16(void *kernel, OrtKernelContext *ctx) { (void)kernel; return compute_slots_kv(ctx, 1); }
 static const char *slots_name(const OrtCustomOp *op) { (void)op; return "TreeAttentionSlots"; }
+static const char *slots_f16_name(const OrtCustomOp *op) { (void)op; return "TreeAttentionSlotsF16KV"; }
 static int slots_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 || i == 2 ? TYPE_INT64 : i == FIXED_INPUTS ? TYPE_UNDEFINED : TYPE_FLOAT;
@@ -418,4 +464,11 @@ OrtCustomOp tree_attention_slots_op = {
     compute_v1, op_destroy, slots_input_kind, slots_outputs_kind, op_default_memory, slot_arity, heterogeneous,
     present_arity, op_homogeneous, stateless_kernel_v2, compute_slots, NULL, op_start_version, op_end_version,
     NULL, NULL, NULL, NULL,
+};
+
+OrtCustomOp tree_attention_slots_f16_op = {   /* TreeAttentionSlots over float16 caches (TreeAttentionF16KV) */
+    API_VERSION, stateless_kernel, slots_f16_name, op_cpu, slots_input_type, slots_inputs, f16_output_type,
+    slots_outputs, compute_v1, op_destroy, slots_input_kind, slots_outputs_kind, op_default_memory, slot_arity,
+    heterogeneous, present_arity, op_homogeneous, stateless_kernel_v2, compute_slots_f16, NULL, op_start_version,
+    op_end_version, NULL, NULL, NULL, NULL,
 };

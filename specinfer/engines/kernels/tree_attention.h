@@ -31,15 +31,17 @@ static inline __m512 exp_ps(__m512 x) {
 typedef struct {
     const float *qkv, *bias, *cos, *sin;
     const int64_t *positions;
-    float *keys, *values, *out;
+    void *keys, *values;   /* the presents: float, or float16 where `half` (rows widened as read) */
+    float *out;
     const int32_t *seqlens;
     size_t B, T, H, Hkv, S, D, total, bias_batch;
     float scale;
+    int half;
 } Job;
 
 /* Attention of task (b, t, g) of B x T x Hkv: token t of sequence b, the query heads of KV head g. */
 __attribute__((visibility("hidden"))) void attend_task(const Job *job, size_t task);
 /* The new tokens' rotated keys and values into slots P .. P + T - 1 of the presents (the past
- * copied first where a present is not bound to it). */
-__attribute__((visibility("hidden"))) void store_new(const Job *job, const float *past_key, const float *past_value);
+ * copied first where a present is not bound to it), in the presents' type. */
+__attribute__((visibility("hidden"))) void store_new(const Job *job, const void *past_key, const void *past_value);
 #endif
