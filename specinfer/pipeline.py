@@ -26,7 +26,8 @@ class Pipeline:
                  budget: int = DEFAULT_BUDGET, engine: str = "onnxruntime", max_context: int | None = None,
                  threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
                  kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS):
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS,
+                 kv_dtype: str = "float32"):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
         verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
@@ -37,10 +38,12 @@ class Pipeline:
         ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
         ``batch_tree_tokens`` nodes per batch, and long prompts going in by chunks of
         ``prefill_chunk_tokens`` while other streams step. After ``idle_seconds`` with no stream
-        running, the memory kept for batches is given back (None: kept)."""
-        self.llm = load_runtime(llm, engine, max_context, threads)
-        self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
-        self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]
+        running, the memory kept for batches is given back (None: kept). ``kv_dtype``: the KV caches'
+        type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded to
+        float16: logits move by ~1e-3; ONNX Runtime on the native kernels only)."""
+        self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype)
+        self.ssms = [load_runtime(s, engine, max_context, threads, kv_dtype) for s in ssms]
+        self.sampling_ssms = [load_runtime(s, engine, max_context, threads, kv_dtype) for s in sampling_ssms]
         self.tree = parse_tree(tree)
         self.budget = budget
         self.min_confidence, self.lookup, self.rule = min_confidence, lookup, rule

@@ -390,6 +390,22 @@ def test_the_repository_names_the_requests_each_ssm_drafts_for(served_pair, tmp_
     assert param(alone, "ssm_0", "drafts_for") == "all" and not (alone / "ssm_1").exists()
 
 
+def test_the_repository_gives_every_model_its_kv_dtype(served_pair, tmp_path):
+    close, far = served_pair["ssms"]
+    param = lambda repo, model, key: re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)" }}',
+                                               (repo / model / "config.pbtxt").read_text()).group(1)
+    half = write_repository(served_pair["llm"], [close], tmp_path / "half", tree="1,1", sampling_ssms=[far],
+                            layout="both", kv_dtype="float16")
+    plain = write_repository(served_pair["llm"], [close], tmp_path / "plain", tree="1,1", layout="both")
+    for model in ("llm", "ssm_0", "ssm_1", "ensemble", "ensemble_fused"):
+        assert param(half, model, "kv_dtype") == "float16"
+    assert param(plain, "ensemble_fused", "kv_dtype") == param(plain, "llm", "kv_dtype") == "float32"
+    with pytest.raises(SpecInferError, match="KV cache type must be one of float32, float16, got 'int8'"):
+        write_repository(served_pair["llm"], [close], tmp_path / "bad", kv_dtype="int8")
+    with pytest.raises(SpecInferError, match="float16 KV caches run on ONNX Runtime only"):
+        write_repository(served_pair["llm"], [close], tmp_path / "trt", engines=tmp_path / "engines", kv_dtype="float16")
+
+
 def test_each_layout_loads_each_model_in_one_model_only(served_pair, tmp_path):
     """The default layout is one fused ``ensemble`` (every model in its process); "ensemble" is the
     Triton-native composition without a fused copy; "both" has the two. Which folders each model

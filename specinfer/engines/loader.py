@@ -53,10 +53,13 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
 
 
 def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context: int | None = None,
-                 threads: int | None = None) -> Runtime:
-    """Open a model folder (an export, or a checkpoint) on the chosen engine."""
+                 threads: int | None = None, kv_dtype: str = "float32") -> Runtime:
+    """Open a model folder (an export, or a checkpoint) on the chosen engine, its KV caches of
+    ``kv_dtype`` (float16: ONNX Runtime on the native kernels only)."""
     if engine not in ENGINES:
         raise SpecInferError(f"unknown engine '{engine}' (choose from {', '.join(ENGINES)})")
+    if kv_dtype != "float32" and engine != "onnxruntime":
+        raise SpecInferError(f"{kv_dtype} KV caches run on the onnxruntime engine only, not {engine}")
     if is_engine_folder(model_dir):
         if engine not in ("onnxruntime", "tensorrt"):  # onnxruntime is every caller's default
             raise SpecInferError(f"{model_dir} is a TensorRT engine folder: it runs on the tensorrt engine only")
@@ -75,7 +78,8 @@ def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context
     if engine == "onnxruntime":
         from .onnxruntime import OrtRuntime
 
-        return OrtRuntime(onnx_folder(model_dir, max_context), threads=threads, max_context=max_context)
+        return OrtRuntime(onnx_folder(model_dir, max_context), threads=threads, max_context=max_context,
+                          kv_dtype=kv_dtype)
     if engine == "torch":
         from .torch_runtime import TorchRuntime
 

@@ -27,11 +27,10 @@ from ..errors import SpecInferError
 from ..export.draft_vocab import read_draft_vocab
 from ..export.ort_lowering import LOGIT_ROWS
 from . import native
-from .runtime import ChainDraft, Runtime, SequenceState
+from .runtime import KV_DTYPES, ChainDraft, Runtime, SequenceState
 
 MANIFEST = "manifest.json"
 LOWEST = np.finfo(np.float32).min
-KV_DTYPES = ("float32", "float16")   # what a cache may hold (float16: native kernels only)
 SMALL_MODEL_PARAMETERS = 4_000_000
 
 

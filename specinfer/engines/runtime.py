@@ -69,6 +69,9 @@ def chain_step(logits: np.ndarray) -> tuple[int, float, int, float]:
     return first, 1.0 / mass, second, float(np.exp(logits[second] - logits[first])) / mass
 
 
+KV_DTYPES = ("float32", "float16")   # what a KV cache may hold (float16: ONNX Runtime's native kernels only)
+
+
 @dataclass
 class SequenceState:
     """One sequence's state: its KV buffer, committed length and pending tree."""

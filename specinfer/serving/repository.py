@@ -15,6 +15,7 @@ from pathlib import Path
 from string import Template
 
 from ..engines.loader import load_runtime, onnx_folder
+from ..engines.runtime import KV_DTYPES
 from ..engines.onnxruntime import read_manifest
 from ..errors import SpecInferError
 from ..generate import DEFAULT_BUDGET
@@ -74,11 +75,11 @@ def _model(src: str, dst_name: str, repo: Path, **values) -> None:
         shutil.copy(tpl / "1" / "model.py", repo / dst_name / "1" / "model.py")
 
 
-def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) -> StepCost | None:
+def measure_step_cost(llm_dir: Path, engine: str, threads: int, kv_dtype: str, required: bool) -> StepCost | None:
     """The LLM's verification cost table on this machine with the engine the repository serves it
     with (the dynamic tree's cost model). None when that engine cannot run here and no one needs it."""
     try:
-        runtime = load_runtime(llm_dir, engine, threads=threads or None)
+        runtime = load_runtime(llm_dir, engine, threads=threads or None, kv_dtype=kv_dtype)
     except (SpecInferError, ImportError, OSError) as e:   # e.g. no TensorRT on this machine
         if required:
             raise SpecInferError(f"the dynamic tree needs the LLM's verification cost, measured with its {engine} "
@@ -91,6 +92,7 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, required: bool) 
 def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC, *,
                      sampling_ssms: list[str | Path] = (),
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
+                     kv_dtype: str = "float32",
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
                      batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
                      stream_interval: float = STREAM_INTERVAL, layout: str = DEFAULT_LAYOUT) -> Path:
@@ -102,6 +104,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     instead of ONNX Runtime.
     ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
+    ``kv_dtype``: the models' KV caches, float32 or float16 (ONNX Runtime's native kernels only).
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
     model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
@@ -118,6 +121,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         raise SpecInferError(f"unknown repository layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     if stream_interval < 0:
         raise SpecInferError(f"the stream interval must be >= 0 seconds, got {stream_interval}")
+    if kv_dtype not in KV_DTYPES:
+        raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not is_repository(out):
@@ -131,6 +136,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
             raise SpecInferError(f"SSM {d} has another vocabulary size than the LLM ({vocab})")
     engine = "onnxruntime"
     if engines is not None:
+        if kv_dtype != "float32":
+            raise SpecInferError(f"{kv_dtype} KV caches run on ONNX Runtime only, not on TensorRT engines")
         engine, engines = "tensorrt", Path(engines).resolve()
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
     # Which requests each ssm_<i> drafts for: all of them, unless some SSMs are for sampled ones.
@@ -138,13 +145,13 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     # The ensemble's models (llm, ssm_<i>, lookup, tree_builder, spec_step): the drafters' dynamic
     # tree needs the LLM's cost table, measured here; a fused orchestrator measures its own at load.
     ensemble_models = any(mode == "ensemble" for _, mode, _ in ORCHESTRATORS[layout])
-    cost = (measure_step_cost(llm_dir, engine, threads, required=dynamic)
+    cost = (measure_step_cost(llm_dir, engine, threads, kv_dtype, required=dynamic)
             if ensemble_models and (ssm_dirs or lookup) else None)
     lookup = lookup and (cost is not None or not ensemble_models)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    common = dict(engine=engine, threads=threads)
+    common = dict(engine=engine, threads=threads, kv_dtype=kv_dtype)
     if ensemble_models:
         _write_ensemble_models(out, llm_dir, ssm_dirs, drafts_for, lookup, cost, tree, vocab, idle_timeout, kv_budget,
                                prefill_chunk_tokens, common)
