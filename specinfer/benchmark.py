@@ -43,7 +43,7 @@ class BenchConfig:
     progress: bool = True
     streams: tuple[int, ...] = ()   # greedy: also through the scheduler, with this many requests at once
     rounds: int = 1                 # every contender this many times over the prompts; the median round reported
-    kv_dtype: str = "float32"       # our runtimes' KV caches (float16: rounded; the peers keep their own)
+    kv_dtype: str = "float32"       # our LLM's KV caches (float16: rounded; SSMs and peers keep their own)
 
 
 def _measured(stats: "Stats", peer: bool = False) -> dict:
@@ -178,7 +178,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from .sampling import SamplingParams
 
     llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads, kv_dtype=cfg.kv_dtype)
-    ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads, kv_dtype=cfg.kv_dtype) for s in cfg.ssms]
+    ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads) for s in cfg.ssms]
     sets = {"SSM 1": ssms[:1]} | ({f"all {len(ssms)} SSMs": ssms} if len(ssms) > 1 else {})
     warm_up = replace(cfg, max_new_tokens=2)
     jobs: list[_Job] = []
@@ -370,7 +370,7 @@ def report_markdown(report: dict) -> str:
     text = (f"{report['mode']}, {n} prompts, {report['max_new_tokens']} new tokens, {report['threads']} threads, "
             + (f"our LLM on native kernels ({', '.join(report['native_ops'])}), " if report.get("native_ops") else
                "our LLM on ONNX Runtime's kernels, " if "native_ops" in report else "")
-            + (f"our KV caches {report['kv_dtype']}, " if report.get("kv_dtype", "float32") != "float32" else "")
+            + (f"our LLM's KV caches {report['kv_dtype']}, " if report.get("kv_dtype", "float32") != "float32" else "")
             + "contenders taking turns prompt by prompt, "
             + (f"{rounds} rounds (tokens/s: median round, range; ratios: median of the ratio within each round), " if rounds > 1 else "")
             + f"our drafters' min confidence "

@@ -411,8 +411,9 @@ def _add_batching(p, tree_tokens: int | None) -> None:
 
 def _add_kv_dtype(p, default: str | None = "float32") -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=default,
-                   help="the KV caches' type: float16 halves their memory and the bytes a step of many sequences "
-                        "reads, and rounds K and V (logits move by ~1e-3; native kernels only) (default float32)")
+                   help="the LLM's KV caches: float16 halves their memory and the bytes a step of many sequences "
+                        "reads, and rounds K and V (logits move by ~1e-3; native kernels only; the SSMs keep "
+                        "float32) (default float32)")
 
 
 def _add_layout(p, default: str | None) -> None:

@@ -38,12 +38,13 @@ class Pipeline:
         ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
         ``batch_tree_tokens`` nodes per batch, and long prompts going in by chunks of
         ``prefill_chunk_tokens`` while other streams step. After ``idle_seconds`` with no stream
-        running, the memory kept for batches is given back (None: kept). ``kv_dtype``: the KV caches'
-        type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded to
-        float16: logits move by ~1e-3; ONNX Runtime on the native kernels only)."""
+        running, the memory kept for batches is given back (None: kept). ``kv_dtype``: the LLM's KV
+        caches' type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded
+        to float16: logits move by ~1e-3; ONNX Runtime on the native kernels only). The SSMs keep
+        float32 caches: theirs are small, and their drafter node reads float32 only."""
         self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype)
-        self.ssms = [load_runtime(s, engine, max_context, threads, kv_dtype) for s in ssms]
-        self.sampling_ssms = [load_runtime(s, engine, max_context, threads, kv_dtype) for s in sampling_ssms]
+        self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
+        self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]
         self.tree = parse_tree(tree)
         self.budget = budget
         self.min_confidence, self.lookup, self.rule = min_confidence, lookup, rule

@@ -397,8 +397,9 @@ def test_the_repository_gives_every_model_its_kv_dtype(served_pair, tmp_path):
     half = write_repository(served_pair["llm"], [close], tmp_path / "half", tree="1,1", sampling_ssms=[far],
                             layout="both", kv_dtype="float16")
     plain = write_repository(served_pair["llm"], [close], tmp_path / "plain", tree="1,1", layout="both")
-    for model in ("llm", "ssm_0", "ssm_1", "ensemble", "ensemble_fused"):
+    for model in ("llm", "ensemble", "ensemble_fused"):   # the LLM's caches; the SSMs keep float32 ones
         assert param(half, model, "kv_dtype") == "float16"
+    assert 'key: "kv_dtype"' not in (half / "ssm_0" / "config.pbtxt").read_text()
     assert param(plain, "ensemble_fused", "kv_dtype") == param(plain, "llm", "kv_dtype") == "float32"
     with pytest.raises(SpecInferError, match="KV cache type must be one of float32, float16, got 'int8'"):
         write_repository(served_pair["llm"], [close], tmp_path / "bad", kv_dtype="int8")

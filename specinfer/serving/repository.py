@@ -104,7 +104,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     instead of ONNX Runtime.
     ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
-    ``kv_dtype``: the models' KV caches, float32 or float16 (ONNX Runtime's native kernels only).
+    ``kv_dtype``: the LLM's KV caches, float32 or float16 (ONNX Runtime's native kernels only; the
+    SSMs keep float32 caches, small ones, which their drafter node reads).
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
     model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);

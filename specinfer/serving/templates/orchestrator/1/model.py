@@ -52,10 +52,9 @@ class TritonPythonModel:
         if p["mode"] == "fused":
             # The models in this process, every request's steps batched by one scheduler.
             threads = int(p["threads"]) or None
-            kv_dtype = p.get("kv_dtype", "float32")
-            llm = load_runtime(p["llm_dir"], p["engine"], threads=threads, kv_dtype=kv_dtype)
-            ssms = [load_runtime(d, p["engine"], threads=threads, kv_dtype=kv_dtype) for d in ssm_dirs]
-            sampling_ssms = [load_runtime(d, p["engine"], threads=threads, kv_dtype=kv_dtype) for d in sampling_dirs]
+            llm = load_runtime(p["llm_dir"], p["engine"], threads=threads, kv_dtype=p.get("kv_dtype", "float32"))
+            ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]   # SSMs: float32 caches
+            sampling_ssms = [load_runtime(d, p["engine"], threads=threads) for d in sampling_dirs]
             scheduler = Scheduler(llm, ssms, sampling_ssms=sampling_ssms,
                                   kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                   batch_tree_tokens=int(p["batch_tree_tokens"]),

@@ -30,8 +30,7 @@ class TritonPythonModel:
         if p.get("drafter") == "lookup":
             self.model = LookupModel(int(p["index"]), int(p["vocab_size"]), cost, p["tree"], key=key)
         else:
-            runtime = load_runtime(p["model_dir"], p["engine"], threads=glue.model_threads(p),
-                                   kv_dtype=p.get("kv_dtype", "float32"))
+            runtime = load_runtime(p["model_dir"], p["engine"], threads=glue.model_threads(p))
             self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost, key=key,
                                     drafts_for=p.get("drafts_for") or "all")   # absent in older repositories
         self.metrics = glue.Metrics(pb, args["model_name"])
