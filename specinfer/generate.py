@@ -261,6 +261,7 @@ class LocalSpeculator:
             drafted = any(d.drafted for d in self.drafters)
             self.sizer.observe(self._draft_seconds if drafted else None, tree_tokens=len(tree), llm_seconds=llm_seconds)
         self.stats.llm_seconds += llm_seconds
+        self.wanted = self.wanted and self.wanted - len(verdict.path)   # the path's tokens after the root, and the bonus
         self.stats.draft_tokens += len(tree) - 1
         self.stats.accepted_draft_tokens += len(verdict.path) - 1
         self.last_path = [tree.tokens[i] for i in verdict.path]

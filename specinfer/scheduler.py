@@ -350,6 +350,8 @@ class Scheduler:
             job.spec.local.stats = job.stats if job.stats is not None else job.spec.stats
         share = max(MIN_TREE, self.batch_tree_tokens // running if running > 1 else DEFAULT_BUDGET)
         t0 = time.perf_counter()
+        if len(steps) == 1 and not starts and steps[0].tree is None and steps[0].spec.local.chained:
+            return self._run_alone(steps[0], t0)
         trees = {id(job): job.tree for job in steps if job.tree is not None}
         drafting = [job for job in steps if job.tree is None]
         # Every sequence's drafts together: each SSM drafts for all of them in one run a round.
@@ -413,6 +415,23 @@ class Scheduler:
             self._active()
         return unfinished
 
+    def _run_alone(self, job: _Job, t0: float) -> list[_Job]:
+        """A lone greedy incremental step, as the request would take it alone (``LocalSpeculator.step``):
+        several tokens in one LLM run (chained), since no other request waits for this batch's call.
+        One that arrives meanwhile waits for that run (~8 tokens' time) and then batches with it."""
+        try:
+            result = job.spec.local.step(job.root, job.budget)
+        except Exception as e:  # noqa: BLE001
+            job.finish(error=e)
+            return []
+        self.seconds["llm"] += time.perf_counter() - t0
+        with self._lock:
+            job.finish(result)
+            job.spec.settled(job)
+            self._trimmed = False
+            self._active()
+        return []
+
     def _prefill_chunks(self, starts: list[_Job], chunked: bool) -> dict[int, list[int]]:
         """Each start's prompt tokens for this batch: the rest of its prompt, or, where other
         requests step in the batch, at most ``prefill_chunk_tokens`` in all (the oldest start
@@ -472,7 +491,8 @@ class BatchedSpeculator:
         self.reserved = nbytes
         try:
             self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats,
-                                         seq_id=self.seq_id, capacity=tokens, **self.options)
+                                         seq_id=self.seq_id, capacity=tokens, max_new_tokens=self.max_new_tokens,
+                                         **self.options)
             with s._lock:
                 s.running.add(self)
         except BaseException:

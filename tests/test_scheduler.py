@@ -76,6 +76,18 @@ def test_greedy_under_batching_is_each_request_alone(models, tree):
     assert all(rt.sequences() == [] for rt in [llm] + ssms)   # every sequence freed
 
 
+def test_a_lone_incremental_request_takes_several_tokens_a_run_as_it_would_alone(models):
+    """Alone in the scheduler, a greedy incremental request steps as it would without one: several
+    tokens in one LLM run (LocalSpeculator's chained steps), not one a batch; the tokens the same."""
+    llm, ssms = models
+    assert llm.draft_depth > 1
+    scheduler = Scheduler(llm, ssms)
+    n = 40
+    assert run_together(scheduler, PROMPTS[:1], n, tree=[]) == [alone(llm, PROMPTS[0], n)]
+    assert scheduler.batches <= 1 + n // llm.draft_depth + llm.draft_depth   # its prompt, then runs of several
+    assert scheduler.reserved == 0 and llm.sequences() == []
+
+
 def test_an_idle_scheduler_gives_the_batches_memory_back_and_batches_again_exactly(models, served_pair):
     llm = OrtRuntime(served_pair["llm"])   # its own: no other test's scheduler trims it meanwhile
     ssms = models[1]

@@ -217,7 +217,8 @@ class OrtRuntime(Runtime):
     def _open(self, graph):
         """A session of ``graph``, the lowering or a rewrite of it made here (its weights are the
         export's file), on the native kernels where they run (:mod:`~specinfer.engines.native`):
-        a small model's drafter as one node, MatMuls by float16-exact weights, and the attention."""
+        a small model's drafter as one node, MatMuls by float16-exact weights (with the residual norms
+        and the MLP's activation inside them), and the attention, over float16 caches where asked."""
         library = native.library()
         half = self.kv_dtype == np.float16
         if library is not None:
