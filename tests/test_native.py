@@ -607,6 +607,18 @@ def test_float16_kv_caches_decode_as_float32_ones_up_to_their_rounding(exported,
     incremental = sum(generate_ids(half, prompt, tree=[], max_new_tokens=24), [])
     assert sum(generate_ids(half, prompt, ssms=[ssm], tree=[2, 1, 1], max_new_tokens=24), []) == incremental
     assert not set(native.DRAFT_OPS.values()) & ssm.native_ops
+    drafts = []   # an SSM's chains drafted for several sequences in one run: each as alone
+    for together in (True, False):
+        seqs = [ssm.start() for _ in range(3)]
+        for i, seq in enumerate(seqs):
+            ssm.prefill(seq, prompt[:3 + i])
+        calls = [(seq, [7 + i], 3, None) for i, seq in enumerate(seqs)]
+        drafts.append(ssm.draft_chains(calls) if together else [ssm.draft_chain(*c) for c in calls])
+        for seq in seqs:
+            ssm.release(seq)
+    assert ssm.batch_drafters and native.F16_KV_OPS[native.SLOTS_OP] in ssm.native_ops
+    for a, b in zip(*drafts):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
     with pytest.raises(SpecInferError, match="KV cache type must be one of float32, float16"):
         OrtRuntime(exported["llama3"], kv_dtype="bfloat16")
     monkeypatch.setenv("SPECINFER_NATIVE", "0")
