@@ -54,7 +54,7 @@ def grpc_stream(server, prompt, model="ensemble", cancel_after=None, on_cancel=l
               "stream": np.array([True]), "exclude_input_in_output": np.array([True])} | extra
     tensors = []
     for name, value in inputs.items():
-        t = grpcclient.InferInput(name, list(value.shape), {"O": "BYTES", "i": "INT32", "b": "BOOL"}[value.dtype.kind])
+        t = grpcclient.InferInput(name, list(value.shape), {"O": "BYTES", "i": "INT32", "b": "BOOL", "f": "FP32"}[value.dtype.kind])
         t.set_data_from_numpy(value)
         tensors.append(t)
     client.async_stream_infer(model, tensors, enable_empty_final_response=True)
@@ -222,13 +222,14 @@ def tokens_emitted(server, model):
 
 
 def drop_http_stream(server, model, prompt, max_tokens, on_cancel=lambda: None):
-    """Open /generate_stream (incremental decoding: one token a step), read the first event, and drop
-    the connection (calling ``on_cancel`` just before)."""
+    """Open /generate_stream (incremental decoding, sampled: one token a step), read the first event,
+    and drop the connection (calling ``on_cancel`` just before)."""
     import http.client
     host, port = server.http_url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(
-        {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "tree": "none"}), {"Content-Type": "application/json"})
+        {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "tree": "none", "temperature": 1.0}),
+        {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
     while not response.fp.readline().startswith(b"data:"):
@@ -259,7 +260,8 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     on_cancel = lambda: at_cancel.append(tokens_emitted(triton_server, counter))    # noqa: E731
     if how == "grpc":
         pieces = grpc_stream(triton_server, PROMPTS[4], model, cancel_after=1, on_cancel=on_cancel,
-                             max_tokens=np.array([long], np.int32), tree=np.array([b"none"], dtype=object))
+                             max_tokens=np.array([long], np.int32), tree=np.array([b"none"], dtype=object),
+                             temperature=np.array([1.0], np.float32))
     else:
         pieces = drop_http_stream(triton_server, model, PROMPTS[4], long, on_cancel=on_cancel)
     assert pieces and at_cancel
@@ -272,8 +274,9 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     assert other["text"] == expected[PROMPTS[3]]
     assert [metric(triton_server, "specinfer_active_sequences", m) for m in stateful] == [0] * len(stateful)
     assert all(metric(triton_server, "specinfer_kv_bytes", m) == 0 for m in stateful)
-    # The cancelled request takes one token a step (tree "none", so that its tokens count its
-    # steps). Counted from the client's cancel, its steps are those until the cancel reached the
+    # The cancelled request takes one token a step (tree "none" and sampled, so that its tokens
+    # count its steps: a greedy one with no tree, alone, takes 8 a step, and 200 of them took
+    # ~0.15 s, less than a cancel takes to reach the server). Counted from the client's cancel, its steps are those until the cancel reached the
     # server, far fewer than its 200: a fused step takes 2-3 ms, and the loop asks for a cancel
     # every 20 ms (0-50 tokens seen). Counted from its start, they also take in how long the client
     # took to see its first piece and cancel, which on a loaded CI machine was 0.3-0.4 s (130 of
