@@ -404,16 +404,20 @@ class Scheduler:
         # A start whose prompt is all in is done; the others go first in the next batch.
         unfinished = [job for job in starts if not job.done.is_set() and job.prefilled < len(job.prefix)]
         self.seconds["verify"] += time.perf_counter() - started - seconds
+        self._settle(verified, [job for job in starts if not job.done.is_set() and job.prefilled == len(job.prefix)])
+        return unfinished
+
+    def _settle(self, verified: list[tuple[_Job, object]], started: Sequence[_Job] = ()) -> None:
+        """Wake a batch's settled steps (each with its result; its successor queued) and its starts
+        whose prompts are all in, together."""
         with self._lock:
             for job, result in verified:
                 job.finish(result)
                 job.spec.settled(job)
-            for job in starts:
-                if not job.done.is_set() and job.prefilled == len(job.prefix):
-                    job.finish()
+            for job in started:
+                job.finish()
             self._trimmed = False
             self._active()
-        return unfinished
 
     def _run_alone(self, job: _Job, t0: float) -> list[_Job]:
         """A lone greedy incremental step, as the request would take it alone (``LocalSpeculator.step``):
@@ -425,11 +429,7 @@ class Scheduler:
             job.finish(error=e)
             return []
         self.seconds["llm"] += time.perf_counter() - t0
-        with self._lock:
-            job.finish(result)
-            job.spec.settled(job)
-            self._trimmed = False
-            self._active()
+        self._settle([(job, result)])
         return []
 
     def _prefill_chunks(self, starts: list[_Job], chunked: bool) -> dict[int, list[int]]:

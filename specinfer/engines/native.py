@@ -394,7 +394,6 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     is taken). Its draft is the graph's up to float rounding (the same sums in another order), and a
     sequence's is bit for bit the same alone and in a batch. ``packed``: weight name -> its
     panels (:func:`pack_panels`), filled and reused across the sessions of one export."""
-    import onnx
     from onnx import helper, numpy_helper
 
     from ..export.ort_lowering import drafter_present_names
@@ -449,13 +448,10 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
              *[name for seq in per_sequence for name in seq], *[n for n in inputs if n.startswith("draft_noise.")]],
         outputs[:3] + presents, name="draft_chain", domain=DOMAIN)
     read = set(node.input)
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.append(node)
-    del out.graph.value_info[:]
-    return _with_initializers(out, [packed[name] for name in matrices]
-                              + [numpy_helper.from_array(value, name) for name, value in constants.items() if name in read])
+    out = _with_nodes(model, [node], [packed[name] for name in matrices]
+                      + [numpy_helper.from_array(value, name) for name, value in constants.items() if name in read])
+    del out.graph.value_info[:]   # the graph's intermediate values are gone
+    return out
 
 
 @functools.lru_cache(maxsize=None)

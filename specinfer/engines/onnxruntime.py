@@ -27,7 +27,7 @@ from ..errors import SpecInferError
 from ..export.draft_vocab import read_draft_vocab
 from ..export.ort_lowering import LOGIT_ROWS
 from . import native
-from .runtime import KV_DTYPES, ChainDraft, Runtime, SequenceState
+from .runtime import ChainDraft, Runtime, SequenceState, check_kv_dtype
 
 MANIFEST = "manifest.json"
 LOWEST = np.finfo(np.float32).min
@@ -182,8 +182,7 @@ class OrtRuntime(Runtime):
         limit = self.manifest["max_context"]
         super().__init__(config, min(max_context or limit, limit))
         self.threads = threads   # None: the process's shared pool
-        if kv_dtype not in KV_DTYPES:
-            raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        check_kv_dtype(kv_dtype)
         if kv_dtype == "float16" and native.library() is None:
             raise SpecInferError("float16 KV caches need the native kernels (Linux x86-64 with AVX-512 and F16C, a C "
                                  "compiler, SPECINFER_NATIVE not 0); use float32")

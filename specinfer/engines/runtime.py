@@ -72,6 +72,12 @@ def chain_step(logits: np.ndarray) -> tuple[int, float, int, float]:
 KV_DTYPES = ("float32", "float16")   # what a KV cache may hold (float16: ONNX Runtime's native kernels only)
 
 
+def check_kv_dtype(kv_dtype: str) -> None:
+    """Refuse a KV cache type that is none of :data:`KV_DTYPES`, naming it."""
+    if kv_dtype not in KV_DTYPES:
+        raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+
+
 @dataclass
 class SequenceState:
     """One sequence's state: its KV buffer, committed length and pending tree."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from string import Template
 
 from ..engines.loader import load_runtime, onnx_folder
-from ..engines.runtime import KV_DTYPES
+from ..engines.runtime import check_kv_dtype
 from ..engines.onnxruntime import read_manifest
 from ..errors import SpecInferError
 from ..generate import DEFAULT_BUDGET
@@ -122,8 +122,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         raise SpecInferError(f"unknown repository layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     if stream_interval < 0:
         raise SpecInferError(f"the stream interval must be >= 0 seconds, got {stream_interval}")
-    if kv_dtype not in KV_DTYPES:
-        raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    check_kv_dtype(kv_dtype)
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not is_repository(out):

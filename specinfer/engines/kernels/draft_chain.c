@@ -78,9 +78,6 @@ typedef struct {   /* a call: the model, its sequences, the outputs */
 
 static size_t panels(size_t n) { return (n + PANEL - 1) / PANEL; }
 
-/* The lanes of a 16-wide vector that hold the `left` values still to do (all 16 from 16 up). */
-static inline __mmask16 first_lanes(size_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
-
 static OrtStatus *fail(const char *message) { return op_error("DraftChain", message); }
 
 /* y[r] = x[r] W (+ b) for `rows` rows, W [K, N] packed in panels of 64 columns, [ceil(N / 64), K,

@@ -26,6 +26,9 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.0f), _CMP_GE_OQ), p, n);
 }
 
+/* The lanes of a 16-wide vector that hold the `left` values still to do (all 16 from 16 up). */
+static inline __mmask16 first_lanes(size_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+
 /* One call's attention: B sequences of T new tokens each over caches of S slots (see
  * tree_attention.c for the layout); positions and bias optional (NULL: slot order, causal). */
 typedef struct {
