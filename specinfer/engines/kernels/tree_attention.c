@@ -162,7 +162,7 @@ void attend_task(const Job *job, size_t task) {
                 __m512 qc = _mm512_load_ps(qh + c);
                 for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[j] + c), acc[j]);
             }
-            _mm512_mask_storeu_ps(s + h * n + i0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum16(acc), scale));
+            _mm512_mask_storeu_ps(s + h * n + i0, first_lanes(m), _mm512_mul_ps(sum16(acc), scale));
         }
     }
     if (bias)
@@ -173,7 +173,7 @@ void attend_task(const Job *job, size_t task) {
         __m512 top = _mm512_set1_ps(-INFINITY);
         size_t i = 0;
         for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
-        __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+        __mmask16 tail = first_lanes(n - i);
         top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, row + i));
         __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
