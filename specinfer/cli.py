@@ -11,7 +11,7 @@ from .engines.loader import ENGINES
 from .engines.runtime import KV_DTYPES
 from .export.draft_vocab import DRAFT_VOCAB_SIZE
 from .scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS, parse_bytes
-from .serving.triton_glue import STREAM_INTERVAL
+from .serving.triton_glue import METRICS_SECONDS, STREAM_INTERVAL
 from .serving.repository import DEFAULT_LAYOUT, LAYOUTS
 from .speculate import DEFAULT_MIN_CONFIDENCE, DYNAMIC, default_min_confidence, parse_tree
 from .errors import SpecInferError
@@ -407,6 +407,10 @@ def _add_batching(p, tree_tokens: int | None) -> None:
                    help=f"seconds between a streamed request's responses at least: what it generates meanwhile "
                         f"goes out as one response, so that many streams cost the server and the clients fewer "
                         f"responses (default {STREAM_INTERVAL}; 0: a response every step)")
+    p.add_argument("--metrics-seconds", type=float, default=None,
+                   help=f"seconds between two hand-overs of a model's metrics to Triton's metrics port (each "
+                        f"changed series a round trip between processes; a scrape sees them that late at most) "
+                        f"(default {METRICS_SECONDS})")
 
 
 def _add_kv_dtype(p, default: str | None = "float32") -> None:
@@ -433,6 +437,7 @@ def cmd_repo(a) -> None:
                             lookup=not a.no_lookup, kv_budget=a.kv_budget, batch_tree_tokens=a.batch_tree_tokens,
                             prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
                             stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval,
+                            metrics_seconds=METRICS_SECONDS if a.metrics_seconds is None else a.metrics_seconds,
                             layout=a.layout)
     print(f"wrote {repo} (models: {', '.join(sorted(p.name for p in repo.iterdir() if p.is_dir()))})")
 
@@ -466,11 +471,12 @@ def cmd_serve(a) -> None:
                                     batch_tree_tokens=a.batch_tree_tokens or BATCH_TREE_TOKENS,
                                     prefill_chunk_tokens=a.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
                                     stream_interval=STREAM_INTERVAL if a.stream_interval is None else a.stream_interval,
+                                    metrics_seconds=METRICS_SECONDS if a.metrics_seconds is None else a.metrics_seconds,
                                     layout=a.layout or DEFAULT_LAYOUT)
         elif any(v is not None for v in (a.kv_budget, a.kv_dtype, a.batch_tree_tokens, a.prefill_chunk_tokens,
-                                         a.stream_interval, a.layout)):
+                                         a.stream_interval, a.metrics_seconds, a.layout)):
             raise SpecInferError("--kv-budget, --kv-dtype, --batch-tree-tokens, --prefill-chunk-tokens, "
-                                 "--stream-interval and --layout belong to the repository: "
+                                 "--stream-interval, --metrics-seconds and --layout belong to the repository: "
                                  "give them to `specinfer repo` (or serve the embedded models)")
         server = TritonServer(repo, a.http_port, a.grpc_port, a.metrics_port, host=a.host, log_file=a.log_file,
                               gateway=not a.no_gateway, max_request_bytes=a.max_request_bytes, admin_key=a.admin_key,

@@ -157,7 +157,9 @@ def _session_server(tmp_path_factory, served_pair):
     from specinfer.serving.server import TritonServer
 
     root = tmp_path_factory.mktemp("triton")
-    repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1", layout="both")
+    # Metrics pushed as soon as the last push is done: tests read them while requests run.
+    repo = write_repository(served_pair["llm"], served_pair["ssms"], root / "repo", tree="1,1,3,1,1,1", layout="both",
+                            metrics_seconds=0.0)
     log = root / "server.log"
     server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=log)
     try:

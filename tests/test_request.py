@@ -198,6 +198,13 @@ class Tensor:
         return self._array
 
 
+class Request(dict):
+    """A request of the stub: its input tensors by name."""
+
+    def inputs(self):
+        return list(self.values())
+
+
 class Response:
     def __init__(self, output_tensors=(), error=None):
         self.tensors, self._error = list(output_tensors), error
@@ -242,7 +249,6 @@ def fake_pb(answer: Response | None = None):
         TritonError=TritonError, Tensor=Tensor, InferenceResponse=Response, logged=logged, sent=sent,
         Logger=SimpleNamespace(log_error=logged.append, log_warn=logged.append), TRITONSERVER_RESPONSE_COMPLETE_FINAL=2,
         MetricFamily=MetricFamily,
-        get_input_tensor_by_name=lambda request, name: request.get(name),
         InferenceRequest=lambda **kwargs: sent.append(kwargs) or SimpleNamespace(exec=lambda: answer))
 
 
@@ -273,12 +279,12 @@ def test_a_raw_exception_is_internal_without_its_python_text():
 
 def test_handle_answers_each_request_with_the_right_code():
     pb = fake_pb()
-    request = {"top_p": Tensor("top_p", one(2.0, np.float32))}
+    request = Request(top_p=Tensor("top_p", one(2.0, np.float32)))
     bad = glue.handle(pb, request, ["top_p", "temperature"], lambda t: {"top_k": one(sampling_from(t).top_k, np.int32)})
     assert bad.error().code() == TritonError.INVALID_ARG and "top_p must be in (0, 1]" in bad.error().message()
     broken = glue.handle(pb, request, ["top_p"], lambda t: 1 / 0, "tree_builder")
     assert broken.error().message() == "internal error in tree_builder; see the server log"
-    good = glue.handle(pb, {"top_p": Tensor("top_p", one(0.5, np.float32))}, ["top_p"], lambda t: {"y": t["top_p"] * 2})
+    good = glue.handle(pb, Request(top_p=Tensor("top_p", one(0.5, np.float32))), ["top_p"], lambda t: {"y": t["top_p"] * 2})
     assert not good.has_error() and good.tensors[0].name() == "y"
 
 
@@ -286,8 +292,7 @@ def test_handle_batch_fails_a_request_alone_and_times_the_batch():
     """A batched model's execute: each request a batch of one; one whose input is malformed or
     whose work fails gets its error, the others their outputs; the batch's time is observed once."""
     pb, seconds = fake_pb(), Recorded()
-    requests = [{"x": Tensor("x", np.array([[1, 2]]))}, {"x": Tensor("x", np.array([[1], [2]]))},   # not a batch of one
-                {"x": Tensor("x", np.array([[0]]))}, {"x": Tensor("x", np.array([[5]]))}]
+    requests = [Request(x=Tensor("x", np.array(x))) for x in ([[1, 2]], [[1], [2]], [[0]], [[5]])]   # 2nd: not a batch of one
 
     def work(batch):
         return [RequestError("x must not start with 0") if t["x"][0] == 0 else {"y": t["x"] * 2} for t in batch]
@@ -353,11 +358,11 @@ def test_bls_sends_and_reads_batches_of_one():
     pb = fake_pb(Response([Tensor("bonus", np.array([[3]], np.int64))]))
     assert glue.bls(pb, "llm", {"op": text("step")})["bonus"].tolist() == [3]
     assert [t.as_numpy().shape for t in pb.sent[-1]["inputs"]] == [(1, 1)]
-    request = {"op": Tensor("op", np.array([[b"step"]], object)), "tokens": Tensor("tokens", np.array([[1, 2]], np.int64))}
+    request = Request(op=Tensor("op", np.array([[b"step"]], object)), tokens=Tensor("tokens", np.array([[1, 2]], np.int64)))
     assert {k: v.tolist() for k, v in glue.read(pb, request, ["op", "tokens"], batched=True).items()} == \
         {"op": [b"step"], "tokens": [1, 2]}
     with pytest.raises(RequestError, match="'tokens': a request to this model is a batch of one, got shape \\[2, 1\\]"):
-        glue.read(pb, {"tokens": Tensor("tokens", np.array([[1], [2]], np.int64))}, ["tokens"], batched=True)
+        glue.read(pb, Request(tokens=Tensor("tokens", np.array([[1], [2]], np.int64))), ["tokens"], batched=True)
     assert glue.response(pb, {"bonus": np.array([3])}, batched=True).tensors[0].as_numpy().shape == (1, 1)
 
 
@@ -455,10 +460,31 @@ def test_a_cancel_is_asked_every_poll_seconds_not_after_every_send():
     until(lambda: request.asked > 0)          # due: asked without a response to send
 
 
-def test_metrics_are_observed_in_order_off_the_callers_thread():
-    metrics = glue.Metrics(fake_pb(), "ensemble_fused")
-    for v in range(50):
-        metrics.observe_later(metrics.accepted, v)
-    until(lambda: len(metrics.accepted.values) == 50)
-    assert [v for v, _ in metrics.accepted.values] == list(range(50))
-    assert {thread for _, thread in metrics.accepted.values} == {"metrics"}
+def pushed(series) -> float:
+    """What Triton's metric of ``series`` holds: its last set (a gauge) or its increments' sum."""
+    calls = series.metric.values
+    return (calls[-1][0] if calls else 0.0) if series.gauge else sum(v for v, _ in calls)
+
+
+def test_metrics_reach_triton_from_the_pusher_alone_as_a_histograms_series():
+    """Metrics written from many threads are kept in process; the pusher hands Triton a histogram's
+    cumulative buckets, sum and count as counters, the gauges' last values, and nothing unchanged."""
+    metrics = glue.Metrics(fake_pb(), "ensemble_fused", push_seconds=0.01)
+    model = SimpleNamespace(sequences=["a", "b"], kv_bytes=lambda: 4096)
+    writers = [threading.Thread(target=metrics.accepted.observe, args=(v,)) for v in (1, 3, 3, 7, 20)]
+    writers.append(threading.Thread(target=metrics.update, args=(model,)))
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    model.sequences = []   # changed after the update read it: not what the gauge reports
+    until(lambda: pushed(metrics.accepted.series[-1]) == 5 and pushed(metrics._kv_bytes) == 4096)
+    assert [pushed(s) for s in metrics.accepted.series] == [1, 1, 3, 3, 3, 3, 4, 4, 4, 4, 5, 34, 5]
+    assert [pushed(s) for s in (metrics._active, metrics._kv_bytes, metrics.step_seconds.series[-1])] == [2, 4096, 0]
+    calls = [c for s in metrics._series for c in s.metric.values]
+    assert {thread for _, thread in calls} == {"metrics"}
+    metrics.push()   # nothing new: no round trip
+    assert len([c for s in metrics._series for c in s.metric.values]) == len(calls)
+    metrics.update(model)
+    metrics.reclaimed(2)
+    until(lambda: pushed(metrics._active) == 0 and pushed(metrics._reclaimed) == 2)

@@ -20,6 +20,7 @@ from specinfer.sampling import SamplingParams, probabilities
 from specinfer.serving import (DraftModel, LookupModel, Orchestrator, RemoteSpeculator, VerifyModel, build_tree,
                                tensors_to_tree, tree_to_tensors)
 from specinfer.serving import models as serving_models
+from specinfer.serving.triton_glue import METRICS_SECONDS
 from specinfer.serving.repository import MANIFEST, write_repository
 from specinfer.serving.request import read_request
 from specinfer.text import TextStream, decode_piece, load_tokenizer
@@ -390,7 +391,7 @@ def test_the_repository_names_the_requests_each_ssm_drafts_for(served_pair, tmp_
     assert param(alone, "ssm_0", "drafts_for") == "all" and not (alone / "ssm_1").exists()
 
 
-def test_the_repository_gives_every_model_its_kv_dtype(served_pair, tmp_path):
+def test_the_repository_gives_every_model_its_kv_dtype_and_metrics_interval(served_pair, tmp_path):
     close, far = served_pair["ssms"]
     param = lambda repo, model, key: re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)" }}',
                                                (repo / model / "config.pbtxt").read_text()).group(1)
@@ -401,6 +402,9 @@ def test_the_repository_gives_every_model_its_kv_dtype(served_pair, tmp_path):
         assert param(half, model, "kv_dtype") == "float16"
     assert 'key: "kv_dtype"' not in (half / "ssm_0" / "config.pbtxt").read_text()
     assert param(plain, "ensemble_fused", "kv_dtype") == param(plain, "llm", "kv_dtype") == "float32"
+    # Every model that reports metrics is told how often to push them.
+    assert {param(half, m, "metrics_seconds") for m in ("llm", "ssm_0", "ssm_1", "ensemble", "ensemble_fused")} \
+        == {str(METRICS_SECONDS)}
     with pytest.raises(SpecInferError, match="KV cache type must be one of float32, float16, got 'int8'"):
         write_repository(served_pair["llm"], [close], tmp_path / "bad", kv_dtype="int8")
     with pytest.raises(SpecInferError, match="float16 KV caches run on ONNX Runtime only"):
@@ -560,9 +564,6 @@ def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(mo
         step_seconds, accepted = Recorded(), Recorded()
         gauges = []
 
-        def observe_later(self, histogram, value):
-            histogram.observe(value)
-
         def update(self, model):   # as glue.Metrics.update reads a model
             self.gauges.append((len(model.sequences), model.kv_bytes()))
 
@@ -597,8 +598,7 @@ def test_the_fused_step_time_is_the_steps_own_compute_not_the_wait_for_it():
             return [root], root + 1
 
     observed = {"step_seconds": [], "accepted": []}
-    metrics = SimpleNamespace(step_seconds="step_seconds", accepted="accepted",
-                              observe_later=lambda histogram, value: observed[histogram].append(value))
+    metrics = SimpleNamespace(**{name: SimpleNamespace(observe=values.append) for name, values in observed.items()})
     speculator = MeteredSpeculator(RanAhead(), metrics, None)
     assert speculator.step(5, 4) == ([5], 6) and speculator.step(6, 4) == ([6], 7)
     assert observed == {"step_seconds": pytest.approx([0.005, 0.005]), "accepted": [1, 1]}
@@ -642,7 +642,8 @@ def test_a_verification_that_raises_leaves_the_sequence_usable(served_pair, monk
     assert llm.sequences() == [] and ssm.sequences() == []
 
 
-def test_a_negative_stream_interval_is_refused_before_anything_is_written(tmp_path):
-    with pytest.raises(SpecInferError, match="the stream interval must be >= 0 seconds, got -1"):
-        write_repository(tmp_path / "no-llm", [], tmp_path / "repo", stream_interval=-1)
+@pytest.mark.parametrize("option, name", [("stream_interval", "stream interval"), ("metrics_seconds", "metrics interval")])
+def test_a_negative_interval_is_refused_before_anything_is_written(tmp_path, option, name):
+    with pytest.raises(SpecInferError, match=f"the {name} must be >= 0 seconds, got -1"):
+        write_repository(tmp_path / "no-llm", [], tmp_path / "repo", **{option: -1})
     assert not (tmp_path / "repo").exists()

@@ -22,7 +22,7 @@ from ..generate import DEFAULT_BUDGET
 from ..scheduler import BATCH_TREE_TOKENS, PREFILL_CHUNK_TOKENS
 from ..speculate import DYNAMIC, parse_tree
 from ..tree_sizing import StepCost
-from .triton_glue import KEY_FILE, STREAM_INTERVAL
+from .triton_glue import KEY_FILE, METRICS_SECONDS, STREAM_INTERVAL
 
 TREE_FIELDS = (("tree_tokens", "TYPE_INT64", "-1"), ("tree_parents", "TYPE_INT32", "-1"),
                ("proposal_node", "TYPE_INT32", "-1"), ("proposal_ssm", "TYPE_INT32", "-1"),
@@ -95,7 +95,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
                      kv_dtype: str = "float32",
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
                      batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-                     stream_interval: float = STREAM_INTERVAL, layout: str = DEFAULT_LAYOUT) -> Path:
+                     stream_interval: float = STREAM_INTERVAL, metrics_seconds: float = METRICS_SECONDS,
+                     layout: str = DEFAULT_LAYOUT) -> Path:
     """Write the repository to ``out`` and return it. ``tree``: the default tree spec (``dynamic``
     or widths; a request may ask for another). ``sampling_ssms``: SSMs that draft for sampled
     requests instead of ``ssms`` (e.g. a distilled one); they follow ``ssms`` as ``ssm_<i>``
@@ -111,7 +112,9 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
     ``prefill_chunk_tokens``: prompt tokens a batch takes while other requests step;
     ``stream_interval``: seconds between a streamed request's responses at least (what it generated
-    meanwhile goes out as one response; 0: a response every step).
+    meanwhile goes out as one response; 0: a response every step); ``metrics_seconds``: seconds
+    between two hand-overs of a model's metrics to Triton's (a scrape sees them that late at most;
+    0: as soon as the last is done).
     ``layout``: which models serve (``ORCHESTRATORS``). "fused" (the default): ``ensemble`` runs
     every model in its process, every request's steps batched by one scheduler, and ``ensemble_sync``
     (KServe infer, which Triton refuses for decoupled models) relays to it. "ensemble": ``ensemble`` and
@@ -122,6 +125,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         raise SpecInferError(f"unknown repository layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     if stream_interval < 0:
         raise SpecInferError(f"the stream interval must be >= 0 seconds, got {stream_interval}")
+    if metrics_seconds < 0:
+        raise SpecInferError(f"the metrics interval must be >= 0 seconds, got {metrics_seconds}")
     check_kv_dtype(kv_dtype)
     dynamic = parse_tree(tree) is None
     out = Path(out)
@@ -151,7 +156,7 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    common = dict(engine=engine, threads=threads, kv_dtype=kv_dtype)
+    common = dict(engine=engine, threads=threads, kv_dtype=kv_dtype, metrics_seconds=metrics_seconds)
     if ensemble_models:
         _write_ensemble_models(out, llm_dir, ssm_dirs, drafts_for, lookup, cost, tree, vocab, idle_timeout, kv_budget,
                                prefill_chunk_tokens, common)

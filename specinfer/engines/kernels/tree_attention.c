@@ -119,7 +119,7 @@ static void weigh_all(const void *V, int half, const uint32_t *visible, size_t n
 void attend_task(const Job *job, size_t task) {
     size_t D = job->D, g = task % job->Hkv, t = (task / job->Hkv) % job->T, b = task / (job->Hkv * job->T);
     size_t group = job->H / job->Hkv, width = (job->H + 2 * job->Hkv) * D, keys = past_of(job, b) + t + 1;
-    size_t head = (b * job->Hkv + g) * job->S * D, bytes = job->half ? 2 : 4;
+    size_t head = (b * job->Hkv + g) * job->S * D, bytes = kv_itemsize(job);
     const void *K = (const char *)job->keys + head * bytes, *V = (const char *)job->values + head * bytes;
     const float *bias = job->bias ? job->bias + ((job->bias_batch > 1 ? b : 0) * job->T + t) * job->total : NULL;
     size_t pos = position_of(job, b, t);
@@ -216,7 +216,7 @@ static void put_row(void *cache, int half, size_t at, const float *x, size_t D) 
 void store_new(const Job *job, const void *past_key, const void *past_value) {
     const void *past[2] = {past_key, past_value};
     void *present[2] = {job->keys, job->values};
-    size_t width = (job->H + 2 * job->Hkv) * job->D, D = job->D, bytes = job->half ? 2 : 4;
+    size_t width = (job->H + 2 * job->Hkv) * job->D, D = job->D, bytes = kv_itemsize(job);
     float rotated[256];
     for (size_t b = 0; b < job->B; b++) {
         size_t P = past_of(job, b);

@@ -42,6 +42,9 @@ typedef struct {
     int half;
 } Job;
 
+/* Bytes of one cached value: float16 or float32. */
+static inline size_t kv_itemsize(const Job *job) { return job->half ? 2 : 4; }
+
 /* Attention of task (b, t, g) of B x T x Hkv: token t of sequence b, the query heads of KV head g. */
 __attribute__((visibility("hidden"))) void attend_task(const Job *job, size_t task);
 /* The new tokens' rotated keys and values into slots P .. P + T - 1 of the presents (the past

@@ -59,7 +59,7 @@ class TritonPythonModel:
                                   kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                   batch_tree_tokens=int(p["batch_tree_tokens"]),
                                   prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
-            self.metrics = glue.Metrics(pb, args["model_name"])   # what llm and ssm_<i> report otherwise
+            self.metrics = glue.Metrics(pb, args["model_name"], glue.metrics_seconds(p))   # what llm and ssm_<i> report otherwise
             # The scheduler's thread shares the GIL with two threads per request; after each model run
             # it waits for it at most this long (Python's default is 5 ms). Measured, 16 streams:
             # 1029-1073 tokens/s at 0.1-1 ms against 924-949 at 5 ms (docs/batching.md).

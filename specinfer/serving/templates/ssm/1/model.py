@@ -33,7 +33,7 @@ class TritonPythonModel:
             runtime = load_runtime(p["model_dir"], p["engine"], threads=glue.model_threads(p))
             self.model = DraftModel(runtime, int(p["index"]), p["tree"], cost, key=key,
                                     drafts_for=p.get("drafts_for") or "all")   # absent in older repositories
-        self.metrics = glue.Metrics(pb, args["model_name"])
+        self.metrics = glue.Metrics(pb, args["model_name"], glue.metrics_seconds(p))
         self.lock = threading.Lock()
         glue.reclaim_idle(self.model, self.lock, float(p["idle_timeout"]), self.metrics)
 
