@@ -534,8 +534,10 @@ def test_idle_sequences_are_reclaimed(served_pair):
 def test_the_rule_is_read_checked_and_sent_to_the_llm():
     assert read_request({"input_ids": ids(1, 2)}, 256).rule == "mss"
     assert read_request({"input_ids": ids(1, 2), "rule": np.array([b"traversal"], object)}, 256).rule == "traversal"
-    with pytest.raises(SpecInferError, match="'rule' must be one of mss, traversal, naive"):
+    with pytest.raises(SpecInferError, match="'rule' must be one of mss, traversal, naive, got 'best'$"):
         read_request({"input_ids": ids(1, 2), "rule": np.array([b"best"], object)}, 256)
+    with pytest.raises(SpecInferError, match="'rule' must be one of mss, traversal, naive, got 1000 bytes$"):
+        read_request({"input_ids": ids(1, 2), "rule": np.array([b"m" * 1000], object)}, 256)
     sent = {}
     speculator = RemoteSpeculator(lambda name, t: sent.setdefault(name, t), ["ssm_0"], "s", 256,
                                   SamplingParams(temperature=1.0), None, Stats(), rule="traversal", max_tokens=7)

@@ -207,7 +207,8 @@ def verification_rule(inputs: Tensors) -> str:
     value = _one_string(inputs, "rule")
     rule = as_text(value, "rule") if _size(value) <= 16 else None
     if rule not in SAMPLING_RULES:
-        raise RequestError(f"'rule' must be one of {', '.join(SAMPLING_RULES)}, got {str(value)[:40]!r}")
+        got = repr(rule) if rule is not None else f"{_size(value)} bytes"
+        raise RequestError(f"'rule' must be one of {', '.join(SAMPLING_RULES)}, got {got}")
     return rule
 
 
