@@ -460,6 +460,40 @@ def test_a_cancel_is_asked_every_poll_seconds_not_after_every_send():
     until(lambda: request.asked > 0)          # due: asked without a response to send
 
 
+def test_workers_keep_their_threads_run_tasks_at_once_and_end_when_idle():
+    """A task runs at once on an idle thread or a new one; threads outlive their tasks (and a
+    failing task), and end once idle for idle_seconds."""
+    workers = glue.Workers(idle_seconds=0.3, name="t")
+    ran = []
+
+    def task(i):
+        ran.append((i, threading.get_ident()))
+    for i in range(5):   # one after another: one thread does them all
+        workers.submit(task, i)
+        until(lambda: len(ran) == i + 1)
+    assert [i for i, _ in ran] == list(range(5)) and len({t for _, t in ran}) == 1 and workers.threads == 1
+    gate, started = threading.Event(), []
+
+    def blocked(i):   # three at once: each has a thread of its own, none waits for another
+        started.append(threading.get_ident())
+        gate.wait(10)
+    for i in range(3):
+        workers.submit(blocked, i)
+    until(lambda: len(started) == 3)
+    assert len(set(started)) == 3 and workers.threads == 3
+    gate.set()
+    until(lambda: workers._idle == 3)
+    workers.submit(lambda: 1 / 0)   # logged; its thread goes on
+    until(lambda: workers._idle == 3)
+    workers.submit(task, 5)
+    until(lambda: len(ran) == 6)
+    assert ran[-1][1] in set(started) | {ran[0][1]} and workers.threads == 3
+    until(lambda: workers.threads == 0, 10)   # idle for 0.3 s: every thread ended
+    workers.submit(task, 6)   # and a new one starts for the next task
+    until(lambda: len(ran) == 7)
+    assert workers.threads == 1
+
+
 def pushed(series) -> float:
     """What Triton's metric of ``series`` holds: its last set (a gauge) or its increments' sum."""
     calls = series.metric.values

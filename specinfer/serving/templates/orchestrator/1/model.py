@@ -21,7 +21,6 @@ sys.path[:0] = [p for p in os.environ.get("SPECINFER_PYTHONPATH", "").split(os.p
 
 import triton_python_backend_utils as pb  # noqa: E402
 
-import threading  # noqa: E402
 import uuid  # noqa: E402
 
 from specinfer.engines.loader import load_runtime, onnx_folder  # noqa: E402
@@ -85,10 +84,11 @@ class TritonPythonModel:
         pb.Logger.log_info(f"{self.name}: specinfer from {os.path.dirname(os.path.dirname(glue.__file__))}")
 
     def execute(self, requests):
-        # Every request runs on a thread of its own and answers through its response sender, so that
-        # a long generation never holds up another request (a non-decoupled model sends one response).
+        # Every request runs on a thread of its own (kept for the next request: glue.Workers) and
+        # answers through its response sender, so that a long generation never holds up another
+        # request (a non-decoupled model sends one response).
         for r in requests:
-            threading.Thread(target=self.run, args=(r,), daemon=True).start()
+            glue.WORKERS.submit(self.run, r)
         return None
 
     def ended(self, cancelled=lambda: False) -> bool:
