@@ -168,17 +168,13 @@ def relay(pb, model: str, inputs: Tensors, merge: Callable[[list[Tensors]], Tens
     return merge(outputs)
 
 
-# Seconds: at most one streamed response per request this often. Each response is work for
-# tritonserver and the client on the same cores: 16 streams served made 6% and 17% more tokens/s at
-# 0.05 than at 0.02 in two series, within this VM's noise (docs/batching.md, "The default interval is 50 ms").
-STREAM_INTERVAL = 0.05
 class Workers:
     """Daemon threads that run tasks (a request's loop, its response stream), each kept after its
     task for the next one, and ending once idle for ``idle_seconds``. Starting a thread costs a
     request here: ``Thread.start`` waits until the new thread holds the interpreter's lock, which
     the scheduler's thread and the other requests' hold in turn (0.5-3 ms measured, twice a
-    request). With threads kept, one served stream's first token came 1.7-2.5 ms sooner, and
-    1-token requests went from 105 to 128 a second (alternated servers, six rounds)."""
+    request). With threads kept, one served stream's first token came 2-3 ms sooner, and 1-token
+    requests went from 115 to 135 a second (alternated servers, four rounds)."""
 
     def __init__(self, idle_seconds: float = 60.0, name: str = "worker"):
         self.idle_seconds, self.name = idle_seconds, name
@@ -221,6 +217,11 @@ class Workers:
 # The threads that run the orchestrators' requests and their response streams, in this process.
 WORKERS = Workers(name="request")
 
+
+# Seconds: at most one streamed response per request this often. Each response is work for
+# tritonserver and the client on the same cores: 16 streams served made 6% and 17% more tokens/s at
+# 0.05 than at 0.02 in two series, within this VM's noise (docs/batching.md, "The default interval is 50 ms").
+STREAM_INTERVAL = 0.05
 
 # Seconds between a streamed request's questions whether its client cancelled (each a round trip):
 # a cancel stops the request's steps within this (a fused step of one sequence takes 1-3 ms).
