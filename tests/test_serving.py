@@ -411,6 +411,13 @@ def test_the_repository_gives_every_model_its_kv_dtype_and_metrics_interval(serv
         write_repository(served_pair["llm"], [close], tmp_path / "trt", engines=tmp_path / "engines", kv_dtype="float16")
 
 
+def test_repo_on_the_command_line_writes_its_metrics_interval(served_pair, tmp_path):
+    from specinfer.cli import main
+    main(["repo", "--llm", str(served_pair["llm"]), "--ssm", str(served_pair["ssms"][0]), "--tree", "1,1",
+          "--metrics-seconds", "2.5", "-o", str(tmp_path / "repo")])
+    assert 'key: "metrics_seconds" value: { string_value: "2.5" }' in (tmp_path / "repo" / "ensemble" / "config.pbtxt").read_text()
+
+
 def test_each_layout_loads_each_model_in_one_model_only(served_pair, tmp_path):
     """The default layout is one fused ``ensemble`` (every model in its process); "ensemble" is the
     Triton-native composition without a fused copy; "both" has the two. Which folders each model
