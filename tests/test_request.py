@@ -359,10 +359,10 @@ def test_bls_sends_and_reads_batches_of_one():
     assert glue.bls(pb, "llm", {"op": text("step")})["bonus"].tolist() == [3]
     assert [t.as_numpy().shape for t in pb.sent[-1]["inputs"]] == [(1, 1)]
     request = Request(op=Tensor("op", np.array([[b"step"]], object)), tokens=Tensor("tokens", np.array([[1, 2]], np.int64)))
-    assert {k: v.tolist() for k, v in glue.read(pb, request, ["op", "tokens"], batched=True).items()} == \
+    assert {k: v.tolist() for k, v in glue.read(request, ["op", "tokens"], batched=True).items()} == \
         {"op": [b"step"], "tokens": [1, 2]}
     with pytest.raises(RequestError, match="'tokens': a request to this model is a batch of one, got shape \\[2, 1\\]"):
-        glue.read(pb, Request(tokens=Tensor("tokens", np.array([[1], [2]], np.int64))), ["tokens"], batched=True)
+        glue.read(Request(tokens=Tensor("tokens", np.array([[1], [2]], np.int64))), ["tokens"], batched=True)
     assert glue.response(pb, {"bonus": np.array([3])}, batched=True).tensors[0].as_numpy().shape == (1, 1)
 
 

@@ -569,7 +569,6 @@ def test_the_fused_metrics_update_their_gauges_when_a_sequence_starts_or_ends(mo
             self.values.append(v)
 
     class FakeMetrics:
-        lock = threading.Lock()
         step_seconds, accepted = Recorded(), Recorded()
         gauges = []
 

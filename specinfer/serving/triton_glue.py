@@ -52,7 +52,7 @@ def is_decoupled(pb, args: dict) -> bool:
     return pb.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
 
-def read(pb, request, names: list[str], batched: bool = False) -> Tensors:
+def read(request, names: list[str], batched: bool = False) -> Tensors:
     """The request's inputs among ``names`` (absent optional inputs are left out); ``batched``: the
     model batches, and a request is a batch of one, whose leading dimension comes off."""
     out = {}
@@ -99,7 +99,7 @@ def handle(pb, request, names: list[str], fn: Callable[[Tensors], Tensors], mode
     """Run ``fn`` on a request's inputs; a response, or an error response (see :func:`error`).
     ``batched``: see :func:`read`."""
     try:
-        return response(pb, fn(read(pb, request, names, batched)), batched)
+        return response(pb, fn(read(request, names, batched)), batched)
     except Exception as e:  # noqa: BLE001 - every failure becomes this request's error, not the server's
         return error(pb, e, model)
 
@@ -111,7 +111,7 @@ def handle_batch(pb, requests, names: list[str], fn: Callable[[list[Tensors]], l
     answers, inputs = [None] * len(requests), []
     for i, r in enumerate(requests):
         try:
-            inputs.append((i, read(pb, r, names, batched=True)))
+            inputs.append((i, read(r, names, batched=True)))
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             answers[i] = e
     start = time.perf_counter()
@@ -356,12 +356,11 @@ class Metrics:
         self._families: list = []   # kept: a Metric whose family is gone fails (the backend frees it)
         self.lock = threading.Lock()   # the values; the stub's metric calls are made by the pusher alone
         labels = {"model": model_name}
-        self._active = _Series(self.family("specinfer_active_sequences", "Sequences whose state this model holds",
-                                           gauge=True).Metric(labels=labels), gauge=True)
-        self._kv_bytes = _Series(self.family("specinfer_kv_bytes", "Bytes of KV cache this model holds",
-                                             gauge=True).Metric(labels=labels), gauge=True)
-        self._reclaimed = _Series(self.family("specinfer_reclaimed_sequences_total",
-                                              "Sequences released because they were idle too long").Metric(labels=labels))
+        self._active = self._series_of("specinfer_active_sequences", "Sequences whose state this model holds",
+                                       labels, gauge=True)
+        self._kv_bytes = self._series_of("specinfer_kv_bytes", "Bytes of KV cache this model holds", labels, gauge=True)
+        self._reclaimed = self._series_of("specinfer_reclaimed_sequences_total",
+                                          "Sequences released because they were idle too long", labels)
         self.step_seconds = Histogram(self, "specinfer_step_seconds",
                                       "Time of one draft (ssm models) or verification (llm) step", labels, self.TIME_BUCKETS)
         self.accepted = Histogram(self, "specinfer_accepted_tokens_per_step",
@@ -375,6 +374,10 @@ class Metrics:
         F = self._pb.MetricFamily
         self._families.append(F(name, description, F.GAUGE if gauge else F.COUNTER))
         return self._families[-1]
+
+    def _series_of(self, name: str, description: str, labels: dict, gauge: bool = False) -> _Series:
+        """The one series of a new family."""
+        return _Series(self.family(name, description, gauge).Metric(labels=labels), gauge)
 
     def update(self, model) -> None:
         """Gauges from a serving model's state (DraftModel or VerifyModel; or the fused

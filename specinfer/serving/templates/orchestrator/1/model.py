@@ -101,7 +101,7 @@ class TritonPythonModel:
         # Responses go out from a thread of their own, so that this loop never waits for Triton.
         responses = glue.ResponseStream(pb, request, merge_responses, self.name, self.stream_interval)
         try:
-            inputs = glue.read(pb, request, INPUTS)
+            inputs = glue.read(request, INPUTS)
             if not self.decoupled and inputs.get("stream") is not None and bool(inputs["stream"].reshape(-1)[0]):
                 raise RequestError("streaming needs a decoupled model: use ensemble or ensemble_fused")
             if self.relay_to:   # checked here, as the relayed request's errors come back as internal ones
