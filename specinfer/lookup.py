@@ -11,6 +11,8 @@ sampling take them exactly, as point masses, like the SSMs' top tokens.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Sequence
 
 from .tree import Proposal, TokenTree
@@ -60,7 +62,7 @@ class LookupDrafter:
             return tree
         chain = context[start:start + min(self.depth, budget - 1)]
         probability = MATCH_PROBABILITY[n]
-        reach = (self.record([probability] * len(chain), 0)).cumprod()
+        reach = list(itertools.accumulate(self.record([probability] * len(chain), 0), operator.mul))
         self.speedup = self.sizer.speedup(reach, free=True)
         node = 0
         for token in chain[:self.sizer.best_count(reach)]:

@@ -12,7 +12,9 @@ many sequences' drafts side by side and makes each SSM's chains for all of them 
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time
 from typing import Generator, Hashable, Sequence
 
@@ -215,7 +217,7 @@ class SSMDrafter:
         # (tree node, rank, SSM probability), for the record to learn from at commit.
         self._acceptance: Acceptance | None = None
         self._proposed: list[tuple[int, int, float]] = []
-        self._reached: tuple[int, int, np.ndarray] | None = None   # _reach's last answer
+        self._reached: tuple[int, int, list[float]] | None = None   # _reach's last answer
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache.
@@ -384,8 +386,9 @@ class SSMDrafter:
         if len(reach) + 1 >= budget:
             return False
         likely = math.exp(sum(math.log(max(p, 1e-9)) for p in chunk.probability) / len(chunk.probability))
-        more = reach[len(draft.tokens) - 1] * likely ** np.arange(1, len(chunk.tokens) + 1)
-        return self.sizer.drafting_more_pays(np.sort(reach)[::-1], more, self._call_seconds[len(chunk.tokens)])
+        last = reach[len(draft.tokens) - 1]
+        more = [last * likely ** depth for depth in range(1, len(chunk.tokens) + 1)]
+        return self.sizer.drafting_more_pays(sorted(reach, reverse=True), more, self._call_seconds[len(chunk.tokens)])
 
     def _token_seconds(self) -> float:
         """What one more drafted token costs: its share of a drafter call, at the call size nearest
@@ -406,13 +409,14 @@ class SSMDrafter:
         the drafter's tokens (a chain drawn 6 deep and cut to about 3 ran 0.84x a fixed chain of 4
         here). So the depth follows the draws' measured acceptance rate and what a step costs at
         each depth (the sizer's LLM line, the drafter's seconds per token), fixed before drawing."""
-        reach = self._acceptance.rate(0) ** np.arange(1, most + 1)
-        drafting = self._token_seconds() * (np.arange(most + 1) - self._kept)
+        rate, token_seconds = self._acceptance.rate(0), self._token_seconds()
+        reach = [rate ** depth for depth in range(1, most + 1)]
+        drafting = [token_seconds * (depth - self._kept) for depth in range(most + 1)]
         count, speedup = self.sizer.best(reach, drafting)
         self._acceptance.expect(speedup)
         return max(1, count)
 
-    def _reach(self, draft: ChainDraft, keep: int) -> np.ndarray:
+    def _reach(self, draft: ChainDraft, keep: int) -> list[float]:
         """The chance that verification accepts each node of a chain of top tokens, by the SSM's
         probabilities as the acceptance record rates them: the first ``keep`` chain tokens, then
         their runner-ups (chain token i and runner-up i are both children of chain token i - 1).
@@ -421,11 +425,11 @@ class SSMDrafter:
         if self._reached is not None and self._reached[:2] == (len(draft.tokens), keep):
             return self._reached[2]
         first = self._acceptance(draft.probability[:keep], 0)
-        reach = np.cumprod(first)
-        above = np.concatenate([[1.0], reach[:-1]])
+        reach = list(itertools.accumulate(first, operator.mul))
+        above = [1.0] + reach[:-1]
         # A runner-up is never rated above its sibling, which verification must meet first (rank 0).
-        second = np.minimum(self._acceptance(draft.runner_up_probability[:keep], 1), first)
-        self._reached = (len(draft.tokens), keep, np.concatenate([reach, above * second]))
+        second = self._acceptance(draft.runner_up_probability[:keep], 1)
+        self._reached = (len(draft.tokens), keep, reach + [a * min(s, f) for a, s, f in zip(above, second, first)])
         return self._reached[2]
 
     def _candidates(self, draft: ChainDraft, keep: int, budget: int) -> list[tuple[int, int]]:
@@ -446,8 +450,9 @@ class SSMDrafter:
         # The step's overhead was measured drafting about as deep as the sizer has been keeping:
         # keeping more chain tokens (or fewer) soon drafts that much deeper (or shallower), each
         # drafted token costing about its share of a call (_token_seconds).
-        chain_tokens = np.concatenate([[0], np.cumsum([rank == 0 for _, _, rank in candidates])])
-        drafting = self._token_seconds() * (chain_tokens - self._kept)
+        token_seconds = self._token_seconds()
+        chain_tokens = itertools.accumulate((rank == 0 for _, _, rank in candidates), initial=0)
+        drafting = [token_seconds * (tokens - self._kept) for tokens in chain_tokens]
         count, speedup = self.sizer.best(ranked, drafting)
         self._acceptance.expect(speedup)
         kept = candidates[:min(budget - 1, count)]

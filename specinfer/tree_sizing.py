@@ -23,6 +23,7 @@ sampling's point-mass candidates both take exactly (see ``verify.py``).
 """
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
 from dataclasses import dataclass
@@ -169,38 +170,43 @@ class TreeSizer:
             self._sums = [self.FORGET * s + x for s, x in zip(self._sums, (1.0, t, y, t * t, t * y))]
             self._line = self._fit()
 
-    def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> np.ndarray:
+    def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> np.ndarray:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``, with
         ``extra_seconds`` more per step outside the LLM (one value, or one per count of nodes: a
         drafter whose cost follows how deep it drafts)."""
-        # Every step runs this on a few nodes, right after the LLM's call has flushed the caches:
-        # in-place arithmetic, as few numpy calls as it takes.
-        reach = np.asarray(reach, dtype=float)
-        expected = np.empty(len(reach) + 1)
-        expected[0] = 0.0
-        np.cumsum(reach, out=expected[1:])
-        expected += 1.0
-        seconds = self.llm_seconds(np.arange(1.0, len(reach) + 2.0))
-        seconds += np.maximum(self.overhead + np.asarray(extra_seconds, dtype=float), 0.0)
-        return expected / seconds
+        return np.array(self._rates(reach, extra_seconds))
+
+    def _rates(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]") -> list[float]:
+        # Every step runs this on a few nodes: plain floats (a numpy call on a few numbers costs
+        # ~1 us, and this made a dozen a call).
+        intercept, slope = self._line
+        per_count = not isinstance(extra_seconds, (int, float))
+        total, rates = 0.0, []
+        for count in range(len(reach) + 1):
+            if count:
+                total += reach[count - 1]
+            extra = extra_seconds[count] if per_count else extra_seconds
+            seconds = max(intercept + slope * (count + 1), 1e-6) + max(self.overhead + extra, 0.0)
+            rates.append((total + 1.0) / seconds)
+        return rates
 
     def drafting_more_pays(self, reach: Sequence[float], more: Sequence[float], seconds: float) -> bool:
         """Whether drafting nodes of reach ``more`` (expected), at ``seconds`` more drafting, would
         raise the best expected tokens per second over the nodes of ``reach`` (each best first)."""
-        longer = np.sort(np.concatenate([reach, more]))[::-1]
-        return bool(self.tokens_per_second(longer, seconds).max() > self.tokens_per_second(reach).max())
+        longer = sorted([*reach, *more], reverse=True)
+        return max(self._rates(longer, seconds)) > max(self._rates(reach, 0.0))
 
-    def speedup(self, reach: Sequence[float], free: bool = False, extra_seconds: "float | np.ndarray" = 0.0) -> float:
+    def speedup(self, reach: Sequence[float], free: bool = False, extra_seconds: "float | Sequence[float]" = 0.0) -> float:
         """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
         included (``free``: nodes drafted at no cost, no overhead; ``extra_seconds`` as in
         :meth:`tokens_per_second`), against a step that drafts nothing (one LLM token, no SSM)."""
         return self.best(reach, -self.overhead if free else extra_seconds)[1]
 
-    def best(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> tuple[int, float]:
+    def best(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> tuple[int, float]:
         """:meth:`best_count` and :meth:`speedup` of the same nodes, from one evaluation."""
-        rate = self.tokens_per_second(reach, extra_seconds)
-        count = int(np.argmax(rate))
-        return count, float(rate[count] * self.llm_seconds(1))
+        rates = self._rates(reach, extra_seconds)
+        count = max(range(len(rates)), key=rates.__getitem__)   # the first of equals, as argmax
+        return count, rates[count] * max(self._line[0] + self._line[1], 1e-6)
 
     def best_count(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
@@ -220,47 +226,56 @@ class Acceptance:
     slower than a step without one, the SSM stops drafting, and tries again after a wait that
     doubles each time drafting still does not pay."""
 
-    EDGES = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99])
+    EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
     PRIOR = 2.0          # accepted tokens' worth of the SSM's own word, per band
     FORGET = 0.99        # per verified step
     RETRY = (2, 64)      # steps without a draft before the next try: first, most
     GAIN_WEIGHT = 0.3    # of a new step in the moving average of the expected speedup
 
     def __init__(self):
-        bands = (2, len(self.EDGES) + 1)              # rank 0 (chain token), rank 1 (runner-up)
-        self._accepted, self._expected, self._seen = np.zeros(bands), np.zeros(bands), np.zeros(bands)
+        bands = len(self.EDGES) + 1
+        # Per rank (0: chain token, 1: runner-up) and probability band. Every step runs this on a
+        # few candidates, so plain floats, not numpy (a call on a few numbers costs ~1 us), and
+        # forgetting is one multiplication a step: each step's counts go in times ``_weight``, which
+        # grows by 1 / FORGET a step, and a count is read as the stored sum over ``_weight``.
+        self._accepted, self._expected, self._seen = ([[0.0] * bands for _ in range(2)] for _ in range(3))
+        self._weight = 1.0
         self.gain: float | None = None                # expected speedup of drafting (moving average)
         self._waited, self._wait = 0, self.RETRY[0]
 
-    def _band(self, probability: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.EDGES, probability, side="right")
-
-    def __call__(self, probability: Sequence[float], rank: int) -> np.ndarray:
+    def __call__(self, probability: Sequence[float], rank: int) -> list[float]:
         """The chance that verification accepts a candidate of this rank and SSM probability, once
         its parent is accepted."""
-        p = np.asarray(probability, dtype=float)
-        band = self._band(p)
-        scale = (self._accepted[rank, band] + self.PRIOR) / (self._expected[rank, band] + self.PRIOR)
-        return np.minimum(p * scale, 1.0)
+        accepted, expected, prior = self._accepted[rank], self._expected[rank], self.PRIOR * self._weight
+        out = []
+        for p in probability:
+            band = bisect.bisect_right(self.EDGES, p)
+            out.append(min(p * ((accepted[band] + prior) / (expected[band] + prior)), 1.0))
+        return out
 
     def observe(self, probability: Sequence[float], rank: Sequence[int], accepted: Sequence[bool]) -> None:
         """One verified step: the SSM probability and rank of each candidate whose parent was
         accepted, and whether it was."""
-        for record in (self._accepted, self._expected, self._seen):
-            record *= self.FORGET
-        p = np.asarray(probability, dtype=float)
-        index = (np.asarray(rank, dtype=int), self._band(p))
-        np.add.at(self._accepted, index, np.asarray(accepted, dtype=float))
-        np.add.at(self._expected, index, p)
-        np.add.at(self._seen, index, 1.0)
+        self._weight /= self.FORGET
+        if self._weight > 1e100:   # rescaled now and then, long before a float overflows
+            for record in (self._accepted, self._expected, self._seen):
+                for row in record:
+                    row[:] = [x / self._weight for x in row]
+            self._weight = 1.0
+        w = self._weight
+        for p, r, a in zip(probability, rank, accepted):
+            band = bisect.bisect_right(self.EDGES, p)
+            self._accepted[r][band] += w * bool(a)
+            self._expected[r][band] += w * p
+            self._seen[r][band] += w
 
     def rate(self, rank: int) -> float:
         """The chance that verification accepts a candidate of this rank once its parent is,
         whatever its probability: accepted / seen over the steps seen (old ones forgotten), the
         SSM's own word (its mean probability of them; an even chance before any) as the prior."""
-        seen = self._seen[rank].sum()
-        own = self._expected[rank].sum() / seen if seen else 0.5
-        return float((self._accepted[rank].sum() + self.PRIOR * own) / (seen + self.PRIOR))
+        seen = sum(self._seen[rank])
+        own = sum(self._expected[rank]) / seen if seen else 0.5
+        return (sum(self._accepted[rank]) + self.PRIOR * own * self._weight) / (seen + self.PRIOR * self._weight)
 
     def learn(self, tree: TokenTree, proposed: Sequence[tuple[int, int, float]], path_tokens: Sequence[int]) -> None:
         """One verified step of a drafter's tree: ``proposed`` its candidates as (tree node, rank,

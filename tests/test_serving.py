@@ -188,7 +188,7 @@ def test_orchestration_equals_in_process_greedy(models, models_with_lookup, stre
     assert len(verify_model.sequences) == 0 and all(len(m.sequences) == 0 for m in draft_models)
     assert llm.sequences() == [] and all(rt.sequences() == [] for rt in ssms)
     if lookup and tree == "dynamic":   # the lookup model drafted, and learnt what was accepted
-        assert acceptance(draft_models[-1], SamplingParams(), "lookup")._expected.sum() > 0
+        assert sum(acceptance(draft_models[-1], SamplingParams(), "lookup")._seen[0]) > 0
 
 
 def test_incremental_requests_call_the_llm_model_alone(models):
