@@ -516,6 +516,66 @@ def test_the_native_drafter_names_a_bad_input(exported):
         binding.session.run_with_iobinding(binding.io)
 
 
+def _drafter_node_with_presents(keep):
+    """native.use_draft_chain with the node's presents chosen by ``keep(graph's presents per step)``."""
+    rewrite = native.use_draft_chain
+
+    def use_draft_chain(model, weights_dir, packed):
+        out = rewrite(model, weights_dir, packed)
+        if out is model:
+            return out
+        steps = [[o for o in model.graph.output if o.name.endswith(f".step{j}")] for j in range(len(model.graph.output))]
+        presents = keep([step for step in steps if step])
+        node = out.graph.node[0]
+        del node.output[3:]
+        node.output.extend(o.name for o in presents)
+        del out.graph.output[3:]
+        out.graph.output.extend(presents)
+        return out
+    return use_draft_chain
+
+
+def test_the_native_drafter_writes_one_present_a_layer_and_takes_the_graphs_per_step_ones(exported, monkeypatch):
+    """The node's outputs are the draft's three, then one present key and value a layer, which a
+    runtime binds to the cache (2 a layer at any depth, where the graph had them for every step).
+    Given the graph's presents of every step (all bound to the cache) it drafts the same, bit for
+    bit, cache rows included; any other count of outputs is refused by name."""
+    from specinfer.engines.onnxruntime import OrtRuntime
+    from specinfer.export.ort_lowering import drafter_present_names
+
+    runtime = OrtRuntime(exported["llama3"])
+    layers = runtime.config.num_layers
+    graph = runtime._draft_graph("draft", 4)
+    node = native.use_draft_chain(graph, runtime.dir, {})
+    assert [o.name for o in node.graph.output] == [o.name for o in graph.graph.output][:3] + drafter_present_names(layers, 4)[0]
+    assert list(node.graph.node[0].output) == [o.name for o in node.graph.output]
+
+    def drafts(rt):
+        seq = rt.start()
+        rt.prefill(seq, [1, 17, 42, 9])
+        chains = [rt.draft_chain(seq, [7], 4)]
+        rt.commit(seq, [0, 1, 2])
+        chains.append(rt.draft_chain(seq, [8, 3], 2))
+        kv = rt._get(seq).kv.copy()
+        rt.release(seq)
+        return chains, kv
+
+    compact, compact_kv = drafts(runtime)
+    monkeypatch.setattr(native, "use_draft_chain", _drafter_node_with_presents(lambda steps: [o for step in steps for o in step]))
+    every_step = OrtRuntime(exported["llama3"])
+    full, full_kv = drafts(every_step)
+    assert "DraftChain" in every_step.native_ops
+    for a, b in zip(compact, full):
+        assert a.tokens == b.tokens and a.probability == b.probability and a.runner_up == b.runner_up
+    np.testing.assert_array_equal(compact_kv, full_kv)
+    monkeypatch.setattr(native, "use_draft_chain", _drafter_node_with_presents(lambda steps: steps[0][:2]))
+    short = OrtRuntime(exported["llama3"])
+    seq = short.start()
+    short.prefill(seq, [1, 17, 42])
+    with pytest.raises(Exception, match="DraftChain: the outputs must be the draft's three"):
+        short.draft_chain(seq, [7], 3)
+
+
 def test_the_native_drafter_refuses_two_sequences_with_different_inputs_on_one_cache(exported):
     """A batch's spare slots share one scratch cache and draft the same, drafted once; two slots on
     one cache with different tokens would write it at once, so the node refuses them."""

@@ -434,9 +434,13 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     constants = {"draft_chain.config": np.array([layers, depth, k, by_name[head].dims[1], width, ffn], np.int64),
                  "draft_chain.numbers": np.array([eps, scale], np.float32),
                  "draft_chain.none": np.zeros(0, np.float32), "draft_chain.no_vocab": np.zeros(0, np.int64)}
-    presents = [name + x for x in suffixes for step in drafter_present_names(layers, depth) for name in step]
-    if set(presents) != set(outputs[3:]):
+    steps = drafter_present_names(layers, depth)
+    if {name + x for x in suffixes for step in steps for name in step} != set(outputs[3:]):
         return model
+    # The node writes each cache in place once, so its outputs are one present key and value per
+    # sequence and layer, not one per step as the graph's (which a runtime binds to the same cache:
+    # 32 outputs at depth 8, ~5 us each to bind for every sequence and drafter depth).
+    presents = [name + x for x in suffixes for name in steps[0]]
     for name in matrices:
         if name not in packed:
             packed[name] = numpy_helper.from_array(
@@ -447,10 +451,13 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
              *map(panel, shared), vocab or "draft_chain.no_vocab", *[panel(n) for layer in weights for n in layer],
              *[name for seq in per_sequence for name in seq], *[n for n in inputs if n.startswith("draft_noise.")]],
         outputs[:3] + presents, name="draft_chain", domain=DOMAIN)
-    read = set(node.input)
+    read, kept = set(node.input), set(outputs[:3] + presents)
     out = _with_nodes(model, [node], [packed[name] for name in matrices]
                       + [numpy_helper.from_array(value, name) for name, value in constants.items() if name in read])
     del out.graph.value_info[:]   # the graph's intermediate values are gone
+    outputs_kept = [o for o in out.graph.output if o.name in kept]
+    del out.graph.output[:]
+    out.graph.output.extend(outputs_kept)
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -242,9 +243,10 @@ class OrtRuntime(Runtime):
 
     def _bind_cache(self, session, seq: SequenceState, presents: list[list[str]]) -> "_Binding":
         """A binding of ``session`` with the sequence's cache bound as its past and as every one of
-        ``presents`` (per layer, its key and value output names): made once per sequence."""
+        ``presents`` (per layer, its key and value output names) the session has: made once per
+        sequence."""
         binding = _Binding(session)
-        _bind_kv(binding.io, seq, [(pk, pv) for pk, pv, *_ in self._kv_names], presents)
+        _bind_kv(binding.io, seq, [(pk, pv) for pk, pv, *_ in self._kv_names], _outputs_of(session, presents))
         return binding
 
     def draft_chain(self, seq_id, tokens, depth: int, noise: np.ndarray | None = None) -> ChainDraft:
@@ -357,7 +359,7 @@ class OrtRuntime(Runtime):
         _, binding, bound = entry
         slots = _bind_slots(binding.io, bound, seqs, scratch, size, lambda slot: (
             [(f"{pk}.{slot}", f"{pv}.{slot}") for pk, pv, *_ in self._kv_names],
-            drafter_presents_by_layer(self.config.num_layers, depth, f".{slot}")))
+            _outputs_of(binding.session, drafter_presents_by_layer(self.config.num_layers, depth, f".{slot}"))))
         in_slot = [np.zeros(1, np.int64)] * size   # slot -> its chain
         ends = [1] * size                          # slot -> its sequence's length after the chain
         for seq, chain, slot in zip(seqs, chains, slots):
@@ -528,16 +530,29 @@ def _numbered_by_the_kernel(start: int, positions: np.ndarray) -> bool:
     return start == 0 and len(positions) > 1 and bool((positions != np.arange(len(positions))).any())
 
 
+_session_outputs: "weakref.WeakKeyDictionary[object, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _outputs_of(session, presents: list[list[str]]) -> list[list[str]]:
+    """``presents`` (per layer, output names) without those ``session`` lacks: the native drafter
+    node has one present a layer where its graph had one a step (native.use_draft_chain)."""
+    names = _session_outputs.get(session)
+    if names is None:
+        names = _session_outputs[session] = frozenset(o.name for o in session.get_outputs())
+    return [[name for name in layer if name in names] for layer in presents]
+
+
 def _bind_kv(io, seq: SequenceState, pasts: list[tuple[str, str]], presents: list[list[str]]) -> None:
     """Bind the sequence's cache in place: layer i's key and value as inputs ``pasts[i]`` and as
     every one of outputs ``presents[i]`` (key and value names alternating)."""
-    shape = (1,) + seq.kv.shape[2:]
+    kv = seq.kv
+    shape, dtype, base = (1,) + kv.shape[2:], kv.dtype.type, kv.ctypes.data
     for layer, names in enumerate(pasts):
         for kind, past in enumerate(names):
-            address = seq.kv[layer, kind].ctypes.data
-            io.bind_input(past, "cpu", 0, seq.kv.dtype.type, shape, address)
+            address = base + layer * kv.strides[0] + kind * kv.strides[1]   # kv[layer, kind] (2 us a view)
+            io.bind_input(past, "cpu", 0, dtype, shape, address)
             for present in presents[layer][kind::2]:
-                io.bind_output(present, "cpu", 0, seq.kv.dtype.type, shape, address)
+                io.bind_output(present, "cpu", 0, dtype, shape, address)
 
 
 def _bind_slots(io, bound: dict, seqs: list[SequenceState], spare: SequenceState, size: int, names) -> list[int]:

@@ -26,9 +26,11 @@
  * sum(exp(logits - max)). Sampled (DraftChainSampled): the K likeliest tokens and their logits
  * [1, depth n, K] and draft_choice int64 [1, depth n, 1], the index among them of argmax(logit +
  * noise) (Gumbel-max: the caller's noise makes it a draw). Ties go to the lower index, as ONNX
- * TopK and ArgMax. Then, per sequence, step and layer, the present key and value, bound in place
- * to its cache: it gains the rows of its tokens and of its first depth - 1 draft tokens. A present
- * not bound to its past gets a copy of the cache. */
+ * TopK and ArgMax. Then, per sequence and layer, the present key and value, bound in place to its
+ * cache: it gains the rows of its tokens and of its first depth - 1 draft tokens. A present not
+ * bound to its past gets a copy of the cache. (Or, the graph's own form, per sequence, step and
+ * layer: every step's presents, which a caller binds to the same cache; native.use_draft_chain
+ * writes the first form, whose binding costs a runtime a twentieth: 8 outputs, not 32 at depth 8.) */
 #include <immintrin.h>
 #include <math.h>
 #include <stdio.h>
@@ -361,6 +363,13 @@ static OrtStatus *compute(OrtKernelContext *ctx, int sampled) {
             goto done;
         }
     }
+    size_t outputs_given = 0;
+    CALL(KernelContext_GetOutputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(ctx, &outputs_given);
+    size_t steps_out = outputs_given == 3 + c.n * m->layers * 2 ? 1 : m->depth;   /* presents per sequence and layer */
+    if (outputs_given != 3 + c.n * steps_out * m->layers * 2) {
+        bad = fail("the outputs must be the draft's three, then each sequence's presents (per layer, or per step and layer)");
+        goto done;
+    }
     int64_t od[3] = {1, (int64_t)(m->depth * c.n), (int64_t)m->K}, ld[3] = {1, (int64_t)(m->depth * c.n), 1};
     OrtValue *out[3] = {NULL};
     for (int o = 0; o < 3; o++) CALL(KernelContext_GetOutput, GetOutputFn)(ctx, o, o == 2 ? ld : od, 3, &out[o]);
@@ -373,7 +382,7 @@ static OrtStatus *compute(OrtKernelContext *ctx, int sampled) {
                 Seq *q = &c.seqs[s];
                 int64_t kd[4] = {1, (int64_t)m->Hkv, (int64_t)q->S, (int64_t)m->D};
                 OrtValue *present = NULL;
-                CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 3 + (s * m->depth * m->layers + i) * 2 + kv, kd, 4, &present);
+                CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 3 + (s * steps_out * m->layers + i) * 2 + kv, kd, 4, &present);
                 float *past = data_of(input(ctx, first_seq + s * seq_inputs + 2 + 2 * i + kv)), *cache = data_of(present);
                 if (cache != past) memcpy(cache, past, m->Hkv * q->S * m->D * sizeof(float));
                 if (kv) q->values[i] = cache; else q->keys[i] = cache;
@@ -408,7 +417,7 @@ static OrtStatus *compute(OrtKernelContext *ctx, int sampled) {
         Seq *q = &c.seqs[s];
         if (q->failed) { bad = fail("out of memory"); goto done; }
         int64_t kd[4] = {1, (int64_t)m->Hkv, (int64_t)q->S, (int64_t)m->D};
-        for (size_t j = 1; j < m->depth; j++)   /* later steps' presents bound elsewhere get the cache */
+        for (size_t j = 1; j < steps_out; j++)   /* later steps' presents bound elsewhere get the cache */
             for (size_t i = 0; i < m->layers; i++)
                 for (int kv = 0; kv < 2; kv++) {
                     OrtValue *present = NULL;

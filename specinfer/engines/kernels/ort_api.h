@@ -33,6 +33,7 @@ enum {
     SLOT_GetDimensions = 62,
     SLOT_GetTensorTypeAndShape = 65,
     SLOT_KernelContext_GetInputCount = 88,
+    SLOT_KernelContext_GetOutputCount = 89,
     SLOT_KernelContext_GetInput = 90,
     SLOT_KernelContext_GetOutput = 91,
     SLOT_ReleaseTensorTypeAndShapeInfo = 99,
