@@ -50,6 +50,10 @@ DEPTH_MARGIN = 2
 # An SSM drafts only into a tree with room for two draft nodes: its call costs about what a longer
 # draft costs (a batch that shares out few nodes leaves its requests the lookup's free drafts).
 SSM_MIN_BUDGET = 3
+# Catch-up tokens (a prompt, or the tokens of steps an SSM did not draft) that go into its cache by
+# a prefill, on the pool, before it drafts; fewer are the first step of its drafter's run, which
+# runs on one thread (DraftChain) and would take a prompt of 200 tokens in ~3 ms.
+PREFILL_CATCH_UP = 32
 
 
 def parse_tree(spec: "str | Sequence[int] | None") -> list[int] | None:
@@ -220,15 +224,11 @@ class SSMDrafter:
         self._reached: tuple[int, int, list[float]] | None = None   # _reach's last answer
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        """Put a prompt (all of it but the root, which the first draft scores) in the SSM's cache.
-        A prompt longer than the SSM's capacity waits as catch-up: this sequence gets no drafts."""
-        tokens = self.catch_up + [int(t) for t in tokens]
-        if len(tokens) >= self.runtime.capacity(self.seq):
-            self.catch_up = tokens
-            return
-        if tokens:
-            self.runtime.prefill(self.seq, tokens)
-        self.catch_up = []
+        """Take a prompt (all of it but the root, which the first draft scores). It waits as
+        catch-up until this SSM first drafts (a prefill then, :data:`PREFILL_CATCH_UP`): a request
+        that never drafts (in a large batch, or where drafts do not pay) never runs the SSM, and
+        its first token does not wait for it. A prompt longer than the SSM's capacity gets no drafts."""
+        self.catch_up = self.catch_up + [int(t) for t in tokens]
 
     def release(self) -> None:
         self.runtime.release(self.seq)
@@ -274,6 +274,10 @@ class SSMDrafter:
             self._acceptance = acceptance(self.runtime, params, rule=self.rule)
             if not self._acceptance.drafting_pays(lead):
                 return tree   # drafts do not pay here: no call now, the tokens wait as catch-up
+        if len(self.catch_up) >= PREFILL_CATCH_UP:   # a prompt, or a long wait: in by a prefill first
+            self.runtime.prefill(self.seq, self.catch_up)
+            free -= len(self.catch_up)
+            chain, self.catch_up = [int(root)], []
         if self.sizer is not None or all(w == 1 for w in widths):   # a chain: in the runtime's fewest calls
             # Greedy: the SSM's top tokens (deterministic candidates; the dynamic tree rates them by
             # their probability). Sampling: a fixed chain's tokens are drawn, the dynamic tree's

@@ -6,7 +6,8 @@ from conftest import make_checkpoint
 from specinfer.engines.torch_runtime import TorchRuntime
 from specinfer.errors import SpecInferError
 from specinfer.sampling import SamplingParams
-from specinfer.speculate import SSM_MIN_BUDGET, SSMDrafter, check_vocab, parse_tree, parse_widths, sample_without_replacement
+from specinfer.speculate import (PREFILL_CATCH_UP, SSM_MIN_BUDGET, SSMDrafter, check_vocab, parse_tree, parse_widths,
+                                 sample_without_replacement)
 
 TOL = 1e-4
 PROMPT = [1, 40, 41, 42, 43, 44]
@@ -98,7 +99,7 @@ def test_greedy_draft_one_call_per_depth_and_top_k(drafter, fresh):
     tree = drafter.draft(PROMPT[-1], [1, 3, 2], GREEDY, np.random.default_rng(0), budget=100)
     assert children_per_depth(tree) == {0: [1], 1: [3], 2: [2, 2, 2], 3: [0] * 6}
     assert len(rt.calls) == 1 + 2   # the root call, then depths 1 and 2; depth 3 is never scored
-    assert rt.calls[0][0] == [PROMPT[-1]]
+    assert rt.calls[0][0] == PROMPT   # the prompt waited as catch-up: it goes in with the root
     # Each call's logits are the SSM's for that node's token path, and children are their top-k.
     scored = [0] + [n for n in range(1, len(tree)) if tree.depths[n] < 3]
     logits = np.concatenate([c[2][-1:] if i == 0 else c[2] for i, c in enumerate(rt.calls)])
@@ -108,7 +109,7 @@ def test_greedy_draft_one_call_per_depth_and_top_k(drafter, fresh):
         top = np.argsort(-row)[:len(tree.children(node))]
         assert [tree.tokens[c] for c in tree.children(node)] == list(top)
         assert all(tree.proposals[c][0].rank == r for r, c in enumerate(tree.children(node)))
-    assert rt.length(drafter.seq) == len(PROMPT) - 1   # all pending until commit
+    assert rt.length(drafter.seq) == 0   # the prompt and the tree, all pending until commit
 
 
 def test_sampled_draft(drafter):
@@ -145,9 +146,29 @@ def test_a_budget_with_room_for_one_draft_node_makes_no_call(drafter):
     assert len(drafter.draft(PROMPT[-1], [1, 1], GREEDY, np.random.default_rng(0), budget=SSM_MIN_BUDGET - 1)) == 1
     assert rt.calls == [] and not drafter.drafted
     drafter.commit([PROMPT[-1]])
-    assert drafter.catch_up == [PROMPT[-1]]
+    assert drafter.catch_up == PROMPT
     tree = drafter.draft(7, [1, 1], GREEDY, np.random.default_rng(0), budget=SSM_MIN_BUDGET)
-    assert len(tree) == SSM_MIN_BUDGET and rt.calls[0][0] == [PROMPT[-1], 7]   # catch-up + root in one call
+    assert len(tree) == SSM_MIN_BUDGET and rt.calls[0][0] == [*PROMPT, 7]   # catch-up + root in one call
+
+
+def test_a_prompt_waits_for_the_first_draft_and_a_long_one_goes_in_by_a_prefill(ssm_dir, fresh):
+    """prefill() runs nothing: the prompt waits as catch-up, so a request that never drafts never
+    runs its SSM. The first draft puts a catch-up of PREFILL_CATCH_UP tokens or more in by a
+    prefill, then scores the root alone; a shorter one goes in with the root."""
+    rt = counted(TorchRuntime(ssm_dir, max_context=128))
+    prompt = [1] + list(range(40, 40 + PREFILL_CATCH_UP))
+    drafter = SSMDrafter(rt)
+    drafter.prefill(prompt)
+    assert rt.calls == [] and rt.length(drafter.seq) == 0 and drafter.catch_up == prompt
+    tree = drafter.draft(7, [1, 1], GREEDY, np.random.default_rng(0), budget=10)
+    assert rt.length(drafter.seq) == len(prompt) and drafter.catch_up == []
+    assert [c[0] for c in rt.calls] == [[7], [tree.tokens[1]]]   # after the prefill, the root alone
+    np.testing.assert_allclose(rt.calls[0][2][-1], fresh(prompt + [7]), atol=TOL)
+    assert len(tree) == 3
+    short = SSMDrafter(rt)
+    short.prefill(prompt[:PREFILL_CATCH_UP - 1])
+    short.draft(7, [1, 1], GREEDY, np.random.default_rng(0), budget=10)
+    assert rt.calls[-2][0] == prompt[:PREFILL_CATCH_UP - 1] + [7]
 
 
 def test_capacity_shrinks_the_tree(ssm_dir):
@@ -158,7 +179,7 @@ def test_capacity_shrinks_the_tree(ssm_dir):
     tree = drafter.draft(PROMPT[-1], [2, 2, 2], GREEDY, np.random.default_rng(0), budget=100)
     # 4 free slots: the root, both depth-1 nodes, one depth-2 node; only that one is expanded.
     assert children_per_depth(tree) == {0: [2], 1: [2, 2], 2: [2, 0, 0, 0], 3: [0, 0]}
-    assert [len(c[0]) for c in rt.calls] == [1, 2, 1]
+    assert [len(c[0]) for c in rt.calls] == [len(PROMPT), 2, 1]   # the prompt went in with the root
     path = [tree.tokens[n] for n in tree.path(tree.children(tree.children(tree.children(0)[0])[0])[0])]
     drafter.commit(path)
     assert rt.length(drafter.seq) == len(PROMPT) + 2 and drafter.catch_up == path[3:]
