@@ -270,15 +270,51 @@ def test_the_embedded_serve_drafts_sampled_requests_with_the_distilled_ssm(two_s
     assert all(json.loads(text)["text_output"] for _, text in answers), answers
 
 
-def test_sigterm_stops_within_the_grace_period_and_leaves_nothing(two_serves):
+def _stream_events(server, text: str, into: list) -> None:
+    """Each server-sent event of a long streamed request, as (time, parsed JSON), into ``into``."""
+    host, port = server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", f"/v2/models/{MODEL}/generate_stream",
+                     json.dumps({"text_input": text, "max_tokens": 900, "stream": True}).encode(),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        for line in iter(r.readline, b""):
+            if line.startswith(b"data:"):
+                into.append((time.monotonic(), json.loads(line[5:])))
+    finally:
+        conn.close()
+
+
+def test_sigterm_ends_running_streams_stops_within_the_grace_period_and_leaves_nothing(two_serves):
+    """Three streams running on the orchestrator's kept threads when SIGTERM comes: each ends at
+    once with "the server is stopping", and serve exits cleanly within its grace period (2 s)."""
+    import threading
+
     serve = two_serves[0]
     prefix, repository = serve.shm_prefix(), serve.repository()
     assert repository.is_dir() and shm_files(prefix)
+    events: list[list] = [[] for _ in range(3)]
+    streams = [threading.Thread(target=_stream_events, args=(serve, f"def f{i}(x):", events[i])) for i in range(3)]
+    for t in streams:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(events) and time.monotonic() < deadline:   # every stream under way
+        time.sleep(0.05)
+    assert all(events), serve.log()
     start = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
+    for t in streams:
+        t.join(timeout=30)
     code = serve.proc.wait(timeout=60)
     took = time.monotonic() - start
     assert code == 0 and took < 2 + 6, (code, took, serve.log())
+    for t, got in zip(streams, events):
+        assert not t.is_alive()
+        *tokens, (when, last) = got
+        assert tokens and all("text_output" in e for _, e in tokens), got
+        assert "the server is stopping" in last.get("error", ""), last
+        assert when - start < 2 + 3, when - start   # at the next step, not at the end of max_tokens
     assert not shm_files(prefix)
     assert not repository.exists()
     assert_serving(two_serves[1])   # the other one is untouched
