@@ -214,6 +214,42 @@ def test_a_long_unary_request_does_not_hold_up_a_short_one(triton_server, expect
     assert done == [("short", 200), ("long", 200)] and body["text_output"] == expected[PROMPTS[1]]
 
 
+def test_the_metrics_page_is_prometheus_text_and_its_histograms_add_up(triton_server):
+    """The metrics port's page as a Prometheus server scrapes it (the text exposition format),
+    parsed by the Prometheus client library's parser: every family parses, and each model's
+    histogram series are a histogram's: buckets cumulative in ``le`` up to +Inf, the +Inf bucket
+    equal to ``_count`` (positive, with a positive ``_sum``, for the model this test's request went
+    through); the gauges are never negative."""
+    import math
+
+    parser = pytest.importorskip("prometheus_client.parser")
+    assert generate(triton_server, "ensemble_fused", text_input=PROMPTS[0])[0] == 200
+    deadline = time.monotonic() + 10
+    while True:   # the models push their series from a thread of their own
+        text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
+        samples: dict[str, list] = {}
+        for family in parser.text_string_to_metric_families(text):
+            for sample in family.samples:   # (the parser names counter samples with _total)
+                samples.setdefault(sample.name.removesuffix("_total"), []).append(sample)
+        fused = [s for s in samples.get("specinfer_step_seconds_count", []) if s.labels["model"] == "ensemble_fused"]
+        if (fused and fused[0].value > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for name in ("specinfer_step_seconds", "specinfer_accepted_tokens_per_step"):
+        models = {s.labels["model"] for s in samples[f"{name}_count"]}
+        assert "ensemble_fused" in models, models
+        for model in models:
+            of = lambda series: [s for s in samples[f"{name}{series}"] if s.labels["model"] == model]
+            buckets = sorted((float(s.labels["le"]), s.value) for s in of("_bucket"))
+            counts = [value for _, value in buckets]
+            assert buckets[-1][0] == math.inf and counts == sorted(counts), (model, buckets)
+            assert counts[-1] == of("_count")[0].value and of("_sum")[0].value >= 0, model
+            if model == "ensemble_fused":   # the model this test's request went through
+                assert counts[-1] > 0 and of("_sum")[0].value > 0
+    for gauge in ("specinfer_active_sequences", "specinfer_kv_bytes"):
+        assert samples[gauge] and all(s.value >= 0 for s in samples[gauge])
+
+
 def tokens_emitted(server, model):
     """Tokens the model's verification steps have emitted (the sum of its accepted-tokens histogram)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
