@@ -170,13 +170,10 @@ class TreeSizer:
             self._sums = [self.FORGET * s + x for s, x in zip(self._sums, (1.0, t, y, t * t, t * y))]
             self._line = self._fit()
 
-    def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> np.ndarray:
+    def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> list[float]:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``, with
         ``extra_seconds`` more per step outside the LLM (one value, or one per count of nodes: a
         drafter whose cost follows how deep it drafts)."""
-        return np.array(self._rates(reach, extra_seconds))
-
-    def _rates(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]") -> list[float]:
         # Every step runs this on a few nodes: plain floats (a numpy call on a few numbers costs
         # ~1 us, and this made a dozen a call).
         intercept, slope = self._line
@@ -194,7 +191,7 @@ class TreeSizer:
         """Whether drafting nodes of reach ``more`` (expected), at ``seconds`` more drafting, would
         raise the best expected tokens per second over the nodes of ``reach`` (each best first)."""
         longer = sorted([*reach, *more], reverse=True)
-        return max(self._rates(longer, seconds)) > max(self._rates(reach, 0.0))
+        return max(self.tokens_per_second(longer, seconds)) > max(self.tokens_per_second(reach))
 
     def speedup(self, reach: Sequence[float], free: bool = False, extra_seconds: "float | Sequence[float]" = 0.0) -> float:
         """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
@@ -204,7 +201,7 @@ class TreeSizer:
 
     def best(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> tuple[int, float]:
         """:meth:`best_count` and :meth:`speedup` of the same nodes, from one evaluation."""
-        rates = self._rates(reach, extra_seconds)
+        rates = self.tokens_per_second(reach, extra_seconds)
         count = max(range(len(rates)), key=rates.__getitem__)   # the first of equals, as argmax
         return count, rates[count] * max(self._line[0] + self._line[1], 1e-6)
 

@@ -524,8 +524,11 @@ def _drafter_node_with_presents(keep):
         out = rewrite(model, weights_dir, packed)
         if out is model:
             return out
-        steps = [[o for o in model.graph.output if o.name.endswith(f".step{j}")] for j in range(len(model.graph.output))]
-        presents = keep([step for step in steps if step])
+        steps: dict[str, list] = {}   # each step's presents, step 0 first, as the graph lists them
+        for o in model.graph.output:
+            if ".step" in o.name:
+                steps.setdefault(o.name.rsplit(".step", 1)[1], []).append(o)
+        presents = keep(list(steps.values()))
         node = out.graph.node[0]
         del node.output[3:]
         node.output.extend(o.name for o in presents)
