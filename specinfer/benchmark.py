@@ -44,6 +44,7 @@ class BenchConfig:
     streams: tuple[int, ...] = ()   # greedy: also through the scheduler, with this many requests at once
     rounds: int = 1                 # every contender this many times over the prompts; the median round reported
     kv_dtype: str = "float32"       # our LLM's KV caches (float16: rounded; SSMs and peers keep their own)
+    matmul_dtype: str = "float32"   # our LLM's matrix products (bfloat16: rounded; SSMs and peers keep float32)
 
 
 def _measured(stats: "Stats", peer: bool = False) -> dict:
@@ -196,7 +197,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from .generate import Stats, drafts_by_lookup
     from .sampling import SamplingParams
 
-    llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads, kv_dtype=cfg.kv_dtype)
+    llm = load_runtime(cfg.llm, "onnxruntime", threads=cfg.threads, kv_dtype=cfg.kv_dtype, matmul_dtype=cfg.matmul_dtype)
     ssms = [load_runtime(s, "onnxruntime", threads=cfg.threads) for s in cfg.ssms]
     sets = {"SSM 1": ssms[:1]} | ({f"all {len(ssms)} SSMs": ssms} if len(ssms) > 1 else {})
     warm_up = replace(cfg, max_new_tokens=2)
@@ -312,6 +313,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             "mode": f"sampling (temperature {' and '.join(f'{t:g}' for t in SAMPLING_TEMPERATURES)})" if cfg.sampling
             else "greedy",
             "threads": cfg.threads or os.cpu_count(), "min_confidence": cfg.min_confidence, "kv_dtype": cfg.kv_dtype,
+            "matmul_dtype": cfg.matmul_dtype,
             "native_ops": sorted(getattr(llm, "native_ops", ())),
             "rows": rows, "targets": [] if cfg.sampling else targets(rows)}
 
@@ -390,6 +392,8 @@ def report_markdown(report: dict) -> str:
             + (f"our LLM on native kernels ({', '.join(report['native_ops'])}), " if report.get("native_ops") else
                "our LLM on ONNX Runtime's kernels, " if "native_ops" in report else "")
             + (f"our LLM's KV caches {report['kv_dtype']}, " if report.get("kv_dtype", "float32") != "float32" else "")
+            + (f"our LLM's matrix products {report['matmul_dtype']} (the peers' float32), "
+               if report.get("matmul_dtype", "float32") != "float32" else "")
             + "contenders taking turns prompt by prompt, "
             + (f"{rounds} rounds (tokens/s: median round, range; ratios: median of the ratio within each round), " if rounds > 1 else "")
             + f"our drafters' min confidence "

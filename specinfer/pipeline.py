@@ -27,7 +27,7 @@ class Pipeline:
                  threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
                  kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS,
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS,
-                 kv_dtype: str = "float32"):
+                 kv_dtype: str = "float32", matmul_dtype: str = "float32"):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
         verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
@@ -41,8 +41,10 @@ class Pipeline:
         running, the memory kept for batches is given back (None: kept). ``kv_dtype``: the LLM's KV
         caches' type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded
         to float16: logits move by ~1e-3; ONNX Runtime on the native kernels only). The SSMs keep
-        float32 caches: theirs are small, and their drafter node reads float32 only."""
-        self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype)
+        float32 caches: theirs are small, and their drafter node reads float32 only. ``matmul_dtype``:
+        the LLM's matrix products, float32 or bfloat16 (see :func:`~specinfer.engines.loader.load_runtime`);
+        the SSMs' stay float32."""
+        self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype, matmul_dtype)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]
         self.tree = parse_tree(tree)

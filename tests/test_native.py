@@ -144,12 +144,13 @@ def test_the_residual_norms_run_inside_the_products_they_lead(family, exported, 
     graph = native.use_skip_norms(unfused)
     ops = [n.op_type for n in graph.graph.node]
     assert "SkipSimplifiedLayerNormalization" not in ops
-    assert sum(op in native.NORMED_OPS.values() for op in ops) == 2 * runtime.config.num_layers
+    normed_ops = {native.NORMED_OPS[native.OP], native.NORMED_OPS[native.SWIGLU_OP]}
+    assert sum(op in normed_ops for op in ops) == 2 * runtime.config.num_layers
     assert len(ops) == len(unfused.graph.node) - 2 * runtime.config.num_layers
-    assert set(native.NORMED_OPS.values()) <= runtime.native_ops
+    assert normed_ops <= runtime.native_ops
     monkeypatch.setattr(native, "use_skip_norms", lambda model: model)
     plain = OrtRuntime(exported[family])
-    assert not set(native.NORMED_OPS.values()) & plain.native_ops
+    assert not normed_ops & plain.native_ops
     logits = []
     for rt in (runtime, plain):
         seq = rt.start()
@@ -179,7 +180,10 @@ def test_only_matmuls_by_float16_exact_weights_are_rewritten(tmp_path):
     assert [(n.op_type, n.domain) for n in out.graph.node] == [(native.OP, native.DOMAIN), ("MatMul", ""), ("MatMul", "")]
     assert sorted(i.name for i in out.graph.initializer) == ["exact.f16w", "inexact", "narrow"]
     assert [n.op_type for n in model.graph.node] == ["MatMul"] * 3   # the model given is left as it was
-    assert packed["inexact"] is None and packed["narrow"] is None
+    assert packed["inexact.f16w"] is None and packed["narrow.f16w"] is None
+    out = native.use_f16_weights(model, tmp_path, packed, bf16=True)   # bfloat16 products: any float32 weight
+    assert [n.op_type for n in out.graph.node] == [native.BF16_OPS[native.OP]] * 2 + ["MatMul"]
+    assert sorted(i.name for i in out.graph.initializer) == ["exact.bf16w", "inexact.bf16w", "narrow"]
 
 
 def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matmul(exported, monkeypatch):
@@ -194,7 +198,8 @@ def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matm
     finally:
         monkeypatch.delenv("SPECINFER_NATIVE")
         native.library.cache_clear()
-    assert on.native_ops == {native.OP, *native.NORMED_OPS.values(), native.ATTENTION_OP} and not off.native_ops
+    normed_ops = {native.NORMED_OPS[native.OP], native.NORMED_OPS[native.SWIGLU_OP]}
+    assert on.native_ops == {native.OP, *normed_ops, native.ATTENTION_OP} and not off.native_ops
     prompt = [1, 17, 42, 99, 5, 23, 8, 61]
     logits = []
     for runtime in (on, off):

@@ -53,13 +53,17 @@ def onnx_folder(model_dir: str | Path, max_context: int | None = None) -> Path:
 
 
 def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context: int | None = None,
-                 threads: int | None = None, kv_dtype: str = "float32") -> Runtime:
+                 threads: int | None = None, kv_dtype: str = "float32", matmul_dtype: str = "float32") -> Runtime:
     """Open a model folder (an export, or a checkpoint) on the chosen engine, its KV caches of
-    ``kv_dtype`` (float16: ONNX Runtime on the native kernels only)."""
+    ``kv_dtype`` (float16: ONNX Runtime on the native kernels only) and its matrix products in
+    ``matmul_dtype`` (bfloat16: the same, on a CPU with AVX512-BF16)."""
     if engine not in ENGINES:
         raise SpecInferError(f"unknown engine '{engine}' (choose from {', '.join(ENGINES)})")
     if kv_dtype != "float32" and engine != "onnxruntime":
         raise SpecInferError(f"{kv_dtype} KV caches run on the onnxruntime engine only, not {engine}")
+    if matmul_dtype != "float32" and engine != "onnxruntime":
+        raise SpecInferError(f"{matmul_dtype} matrix products run on the onnxruntime engine only, not {engine} "
+                             f"(a TensorRT engine computes in its export's dtype)")
     if is_engine_folder(model_dir):
         if engine not in ("onnxruntime", "tensorrt"):  # onnxruntime is every caller's default
             raise SpecInferError(f"{model_dir} is a TensorRT engine folder: it runs on the tensorrt engine only")
@@ -79,7 +83,7 @@ def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context
         from .onnxruntime import OrtRuntime
 
         return OrtRuntime(onnx_folder(model_dir, max_context), threads=threads, max_context=max_context,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, matmul_dtype=matmul_dtype)
     if engine == "torch":
         from .torch_runtime import TorchRuntime
 

@@ -42,6 +42,12 @@ DOMAIN = "specinfer.native"
 OP = "MatMulF16W"
 SWIGLU_OP = "MatMulF16WSwiGLU"
 NORMED_OPS = {OP: "SkipRMSNormMatMulF16W", SWIGLU_OP: "SkipRMSNormMatMulF16WSwiGLU"}   # by the product they lead
+# The same products on bfloat16 weights and activations (kernels/f16w_matmul.c), by their float16 op.
+BF16_OPS = {OP: "MatMulBF16", SWIGLU_OP: "MatMulBF16SwiGLU"}
+NORMED_OPS |= {BF16_OPS[op]: f"SkipRMSNorm{BF16_OPS[op]}" for op in (OP, SWIGLU_OP)}
+BF16_CPU_FLAG = "avx512_bf16"   # the bfloat16 products' instructions (VDPBF16PS, VCVTNEPS2BF16)
+BF16_MISSING = ("bfloat16 matrix products need the native kernels on a CPU with AVX512-BF16 (avx512_bf16 in "
+                "/proc/cpuinfo), a C compiler and SPECINFER_NATIVE not 0; use float32")
 ATTENTION_OP = "TreeAttention"
 SLOTS_OP = "TreeAttentionSlots"
 F16_KV_OPS = {ATTENTION_OP: "TreeAttentionF16KV", SLOTS_OP: "TreeAttentionSlotsF16KV"}   # over float16 caches
@@ -59,7 +65,8 @@ MIN_WEIGHT_VALUES = 1 << 17
 DRAFT_CHAIN_MAX_WEIGHTS = 1 << 21
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -76,7 +83,7 @@ def library() -> Path | None:
         return None
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
         return None
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not set(CPU_FLAGS) <= flags:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -109,6 +116,11 @@ def library() -> Path | None:
     return out
 
 
+def bf16_products() -> bool:
+    """Whether the bfloat16 products (``MatMulBF16`` and its siblings) run here."""
+    return BF16_CPU_FLAG in cpu_flags() and library() is not None
+
+
 def pack_panels(weights: np.ndarray) -> np.ndarray:
     """A [K, N] weight as the native kernels read it: panels of 64 columns, [ceil(N / 64), K, 64],
     the last padded with zeros."""
@@ -118,55 +130,93 @@ def pack_panels(weights: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
 
 
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Float32 ``values`` rounded to bfloat16 (to nearest even, as the CPU's VCVTNEPS2BF16 rounds
+    finite numbers), as their uint16 bit patterns."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def pack_pair_panels(bits: np.ndarray) -> np.ndarray:
+    """A [K, N] bfloat16 weight (:func:`bf16_bits`) as the bfloat16 kernels read it: panels of 64
+    columns by pairs of rows, [ceil(N / 64), ceil(K / 2), 64 x 2], zero-padded."""
+    k, n = bits.shape
+    padded = np.zeros((k + k % 2, -(-n // PANEL) * PANEL), np.uint16)
+    padded[:k, :n] = bits
+    pairs = padded.reshape(-1, 2, padded.shape[1] // PANEL, PANEL).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(pairs).reshape(pairs.shape[0], pairs.shape[1], 2 * PANEL)
+
+
+def unpack_panels(packed: np.ndarray, bf16: bool) -> np.ndarray:
+    """The [K, N] weight of :func:`pack_panels` or (``bf16``) :func:`pack_pair_panels`, an odd K's
+    zero row kept."""
+    if bf16:
+        p, k2, _ = packed.shape
+        return packed.reshape(p, k2, PANEL, 2).transpose(1, 3, 0, 2).reshape(2 * k2, p * PANEL)
+    return packed.transpose(1, 0, 2).reshape(packed.shape[1], -1)
+
+
+def bf16_initializer(bits: np.ndarray, name: str):
+    """An ONNX bfloat16 initializer holding ``bits`` (uint16 bit patterns)."""
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor(name, TensorProto.BFLOAT16, bits.shape, bits.tobytes(), raw=True)
+
+
 def f16_exact(weights: np.ndarray) -> np.ndarray | None:
     """``weights`` in float16 if every value is one (then widening them back is exact), else None."""
     half = weights.astype(np.float16)
     return half if np.array_equal(half.astype(weights.dtype), weights) else None
 
 
-def use_f16_weights(model, weights_dir: Path, packed: dict[str, object]):
+def use_f16_weights(model, weights_dir: Path, packed: dict[str, object], bf16: bool = False):
     """A copy of ``model`` whose MatMuls by a float16-exact float32 weight ([K, N], N a multiple of
     64) run ``MatMulF16W`` on the weight packed in float16, or ``model`` itself where none does.
+    ``bf16``: every such MatMul by a float32 weight, float16-exact or not, runs ``MatMulBF16`` on
+    the weight rounded to bfloat16 (and its activations rounded too: a bfloat16 model's products).
     ``packed``: weight name -> packed initializer (None: not float16-exact), filled and reused
     across the sessions of one export."""
     import onnx
     from onnx import numpy_helper
 
     inits = {init.name: init for init in model.graph.initializer}
+    suffix = ".bf16w" if bf16 else ".f16w"
     chosen = []   # indices of the MatMuls rewritten
     for index, node in enumerate(model.graph.node):
         if node.op_type != "MatMul" or node.domain or node.input[1] not in inits:
             continue
         name = node.input[1]
-        if name not in packed:
+        if name + suffix not in packed:
             init = inits[name]
-            packed[name] = None
+            packed[name + suffix] = None
             if (init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2 and init.dims[1] % PANEL == 0
                     and init.dims[0] * init.dims[1] > MIN_WEIGHT_VALUES):
-                half = f16_exact(numpy_helper.to_array(init, base_dir=str(weights_dir)))
-                if half is not None:
-                    packed[name] = numpy_helper.from_array(pack_panels(half), f"{name}.f16w")
-        if packed[name] is not None:
+                weights = numpy_helper.to_array(init, base_dir=str(weights_dir))
+                if bf16:
+                    packed[name + suffix] = bf16_initializer(pack_pair_panels(bf16_bits(weights)), name + suffix)
+                elif (half := f16_exact(weights)) is not None:
+                    packed[name + suffix] = numpy_helper.from_array(pack_panels(half), name + suffix)
+        if packed[name + suffix] is not None:
             chosen.append(index)
     if not chosen:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    weights = sorted({model.graph.node[i].input[1] for i in chosen})
+    weights = sorted({model.graph.node[i].input[1] + suffix for i in chosen})
     for i in chosen:
         node = out.graph.node[i]
-        node.op_type, node.domain = OP, DOMAIN
-        node.input[1] = f"{node.input[1]}.f16w"
+        node.op_type, node.domain = BF16_OPS[OP] if bf16 else OP, DOMAIN
+        node.input[1] = node.input[1] + suffix
     # The float32 weights no other node reads are dropped: their session never loads them.
     return _with_initializers(out, [packed[w] for w in weights])
 
 
-def pack_swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def pack_swiglu(gate: np.ndarray, up: np.ndarray, pack=pack_panels) -> np.ndarray:
     """The weights ``MatMulF16WSwiGLU`` reads: [K, I] gate and up (I a multiple of 32) packed as
-    :func:`pack_panels` packs [K, 2 I], each panel holding 32 columns of ``gate`` then the same
-    32 of ``up``."""
+    ``pack`` packs [K, 2 I] (:func:`pack_pair_panels` for ``MatMulBF16SwiGLU``), each panel holding
+    32 columns of ``gate`` then the same 32 of ``up``."""
     k, halves = gate.shape[0], PANEL // 2
-    return pack_panels(np.stack([gate.reshape(k, -1, halves), up.reshape(k, -1, halves)], axis=2).reshape(k, -1))
+    return pack(np.stack([gate.reshape(k, -1, halves), up.reshape(k, -1, halves)], axis=2).reshape(k, -1))
 
 
 def use_swiglu(model, packed: dict[str, object]):
@@ -189,8 +239,9 @@ def use_swiglu(model, packed: dict[str, object]):
     inits = {init.name: init for init in model.graph.initializer}
     fused = {}   # index of the MatMul -> (the fused node, the indices of the nodes it replaces)
     for index, node in enumerate(nodes):
-        if node.op_type != OP or node.domain != DOMAIN or node.input[1] not in inits:
+        if node.op_type not in (OP, BF16_OPS[OP]) or node.domain != DOMAIN or node.input[1] not in inits:
             continue
+        bf16 = node.op_type != OP
         split = only_reader(node.output[0], "Split")
         if split is None or len(nodes[split].output) != 2 or len(nodes[split].input) > 1:
             continue
@@ -210,10 +261,12 @@ def use_swiglu(model, packed: dict[str, object]):
             continue
         name = f"{node.input[1]}.swiglu"
         if name not in packed:
-            w = numpy_helper.to_array(inits[node.input[1]])   # [Wg | Wu] packed: [N / 64, K, 64]
-            gate, up = np.split(w.transpose(1, 0, 2).reshape(w.shape[1], -1), 2, axis=1)
-            packed[name] = numpy_helper.from_array(pack_swiglu(gate, up), name)
-        replaced = helper.make_node(SWIGLU_OP, [node.input[0], name], [nodes[act].output[0]],
+            init = inits[node.input[1]]   # [Wg | Wu] packed
+            w = (np.frombuffer(init.raw_data, np.uint16).reshape(init.dims) if bf16 else numpy_helper.to_array(init))
+            gate, up = np.split(unpack_panels(w, bf16), 2, axis=1)
+            packed[name] = (bf16_initializer(pack_swiglu(gate, up, pack_pair_panels), name) if bf16
+                            else numpy_helper.from_array(pack_swiglu(gate, up), name))
+        replaced = helper.make_node(BF16_OPS[SWIGLU_OP] if bf16 else SWIGLU_OP, [node.input[0], name], [nodes[act].output[0]],
                                     name=f"{node.name}.swiglu", domain=DOMAIN)
         fused[index] = (replaced, {split, sigmoid, silu, act})
     if not fused:

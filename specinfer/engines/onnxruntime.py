@@ -28,7 +28,7 @@ from ..errors import SpecInferError
 from ..export.draft_vocab import read_draft_vocab
 from ..export.ort_lowering import LOGIT_ROWS
 from . import native
-from .runtime import ChainDraft, Runtime, SequenceState, check_kv_dtype
+from .runtime import ChainDraft, Runtime, SequenceState, check_kv_dtype, check_matmul_dtype
 
 MANIFEST = "manifest.json"
 LOWEST = np.finfo(np.float32).min
@@ -168,7 +168,7 @@ class OrtRuntime(Runtime):
     initial_slots = 64          # a sequence's buffer doubles from here as it grows
 
     def __init__(self, onnx_dir: str | Path, threads: int | None = None, max_context: int | None = None,
-                 kv_dtype: str = "float32"):
+                 kv_dtype: str = "float32", matmul_dtype: str = "float32"):
         import onnx
 
         from ..export.ort_lowering import ORT_ONNX, output_names, select_logit_rows
@@ -191,6 +191,10 @@ class OrtRuntime(Runtime):
         # from memory), twice the tokens in a KV budget; K and V rounded to float16 as written.
         self.kv_dtype = np.dtype(kv_dtype)
         self.kv_itemsize = self.kv_dtype.itemsize
+        check_matmul_dtype(matmul_dtype)
+        if matmul_dtype == "bfloat16" and not native.bf16_products():
+            raise SpecInferError(native.BF16_MISSING)
+        self.matmul_dtype = matmul_dtype
         self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
         self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
@@ -224,7 +228,8 @@ class OrtRuntime(Runtime):
         if library is not None:
             if not half:   # the drafter node reads float32 caches only
                 graph = native.use_draft_chain(graph, self.dir, self._draft_panels)
-            graph = native.use_swiglu(native.use_f16_weights(graph, self.dir, self._f16_weights), self._f16_weights)
+            graph = native.use_f16_weights(graph, self.dir, self._f16_weights, bf16=self.matmul_dtype == "bfloat16")
+            graph = native.use_swiglu(graph, self._f16_weights)
             graph = native.use_skip_norms(graph)
             graph = native.use_slot_attention(native.use_tree_attention(graph))
         if half:

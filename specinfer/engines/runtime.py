@@ -78,6 +78,18 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
 
+# What an LLM's matrix products compute in: float32 (the stored weights, exactly), or bfloat16
+# (weights and activations rounded to bfloat16, sums in float32, as a GPU's bfloat16 products;
+# ONNX Runtime's native kernels on a CPU with AVX512-BF16 only).
+MATMUL_DTYPES = ("float32", "bfloat16")
+
+
+def check_matmul_dtype(matmul_dtype: str) -> None:
+    """Refuse a product type that is none of :data:`MATMUL_DTYPES`, naming it."""
+    if matmul_dtype not in MATMUL_DTYPES:
+        raise SpecInferError(f"matrix product type must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
+
+
 @dataclass
 class SequenceState:
     """One sequence's state: its KV buffer, committed length and pending tree."""

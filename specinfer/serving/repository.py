@@ -15,7 +15,8 @@ from pathlib import Path
 from string import Template
 
 from ..engines.loader import load_runtime, onnx_folder
-from ..engines.runtime import check_kv_dtype
+from ..engines.native import BF16_MISSING, bf16_products
+from ..engines.runtime import check_kv_dtype, check_matmul_dtype
 from ..engines.onnxruntime import read_manifest
 from ..errors import SpecInferError
 from ..generate import DEFAULT_BUDGET
@@ -75,11 +76,12 @@ def _model(src: str, dst_name: str, repo: Path, **values) -> None:
         shutil.copy(tpl / "1" / "model.py", repo / dst_name / "1" / "model.py")
 
 
-def measure_step_cost(llm_dir: Path, engine: str, threads: int, kv_dtype: str, required: bool) -> StepCost | None:
+def measure_step_cost(llm_dir: Path, engine: str, threads: int, kv_dtype: str, required: bool,
+                      matmul_dtype: str = "float32") -> StepCost | None:
     """The LLM's verification cost table on this machine with the engine the repository serves it
     with (the dynamic tree's cost model). None when that engine cannot run here and no one needs it."""
     try:
-        runtime = load_runtime(llm_dir, engine, threads=threads or None, kv_dtype=kv_dtype)
+        runtime = load_runtime(llm_dir, engine, threads=threads or None, kv_dtype=kv_dtype, matmul_dtype=matmul_dtype)
     except (SpecInferError, ImportError, OSError) as e:   # e.g. no TensorRT on this machine
         if required:
             raise SpecInferError(f"the dynamic tree needs the LLM's verification cost, measured with its {engine} "
@@ -92,7 +94,7 @@ def measure_step_cost(llm_dir: Path, engine: str, threads: int, kv_dtype: str, r
 def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, tree: str = DYNAMIC, *,
                      sampling_ssms: list[str | Path] = (),
                      engines: str | Path | None = None, budget: int = DEFAULT_BUDGET, threads: int = 0,
-                     kv_dtype: str = "float32",
+                     kv_dtype: str = "float32", matmul_dtype: str = "float32",
                      lookup: bool = True, idle_timeout: float = IDLE_TIMEOUT, kv_budget: int | None = None,
                      batch_tree_tokens: int = BATCH_TREE_TOKENS, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
                      stream_interval: float = STREAM_INTERVAL, metrics_seconds: float = METRICS_SECONDS,
@@ -106,7 +108,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     ``lookup``: the dynamic tree also drafts by lookup (a ``lookup`` draft model beside the SSMs).
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
     ``kv_dtype``: the LLM's KV caches, float32 or float16 (ONNX Runtime's native kernels only; the
-    SSMs keep float32 caches, small ones, which their drafter node reads).
+    SSMs keep float32 caches, small ones, which their drafter node reads). ``matmul_dtype``: the
+    LLM's matrix products, float32 or bfloat16 (native kernels on a CPU with AVX512-BF16 only).
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
     model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
@@ -128,6 +131,9 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     if metrics_seconds < 0:
         raise SpecInferError(f"the metrics interval must be >= 0 seconds, got {metrics_seconds}")
     check_kv_dtype(kv_dtype)
+    check_matmul_dtype(matmul_dtype)
+    if matmul_dtype == "bfloat16" and engines is None and not bf16_products():   # refused here, not in a Triton stub
+        raise SpecInferError(BF16_MISSING)
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not is_repository(out):
@@ -141,8 +147,11 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
             raise SpecInferError(f"SSM {d} has another vocabulary size than the LLM ({vocab})")
     engine = "onnxruntime"
     if engines is not None:
-        if kv_dtype != "float32":
-            raise SpecInferError(f"{kv_dtype} KV caches run on ONNX Runtime only, not on TensorRT engines")
+        asked = [f"{kv_dtype} KV caches"] * (kv_dtype != "float32") + [f"{matmul_dtype} matrix products"] * (
+            matmul_dtype != "float32")
+        if asked:
+            raise SpecInferError(f"{' and '.join(asked)} run on ONNX Runtime only, not on TensorRT engines (an engine "
+                                 f"computes in its export's dtype)")
         engine, engines = "tensorrt", Path(engines).resolve()
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
     # Which requests each ssm_<i> drafts for: all of them, unless some SSMs are for sampled ones.
@@ -150,13 +159,14 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     # The ensemble's models (llm, ssm_<i>, lookup, tree_builder, spec_step): the drafters' dynamic
     # tree needs the LLM's cost table, measured here; a fused orchestrator measures its own at load.
     ensemble_models = any(mode == "ensemble" for _, mode, _ in ORCHESTRATORS[layout])
-    cost = (measure_step_cost(llm_dir, engine, threads, kv_dtype, required=dynamic)
+    cost = (measure_step_cost(llm_dir, engine, threads, kv_dtype, required=dynamic, matmul_dtype=matmul_dtype)
             if ensemble_models and (ssm_dirs or lookup) else None)
     lookup = lookup and (cost is not None or not ensemble_models)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    common = dict(engine=engine, threads=threads, kv_dtype=kv_dtype, metrics_seconds=metrics_seconds)
+    common = dict(engine=engine, threads=threads, kv_dtype=kv_dtype, matmul_dtype=matmul_dtype,
+                  metrics_seconds=metrics_seconds)
     if ensemble_models:
         _write_ensemble_models(out, llm_dir, ssm_dirs, drafts_for, lookup, cost, tree, vocab, idle_timeout, kv_budget,
                                prefill_chunk_tokens, common)

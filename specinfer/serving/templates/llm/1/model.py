@@ -27,7 +27,8 @@ class TritonPythonModel:
     def initialize(self, args):
         p = glue.parameters(args)
         self.model = VerifyModel(load_runtime(p["model_dir"], p["engine"], threads=glue.model_threads(p),
-                                              kv_dtype=p.get("kv_dtype", "float32")),
+                                              kv_dtype=p.get("kv_dtype", "float32"),
+                                              matmul_dtype=p.get("matmul_dtype", "float32")),
                                  key=glue.caller_key(args), kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                  prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
         self.metrics = glue.Metrics(pb, args["model_name"], glue.metrics_seconds(p))

@@ -51,7 +51,8 @@ class TritonPythonModel:
         if p["mode"] == "fused":
             # The models in this process, every request's steps batched by one scheduler.
             threads = int(p["threads"]) or None
-            llm = load_runtime(p["llm_dir"], p["engine"], threads=threads, kv_dtype=p.get("kv_dtype", "float32"))
+            llm = load_runtime(p["llm_dir"], p["engine"], threads=threads, kv_dtype=p.get("kv_dtype", "float32"),
+                               matmul_dtype=p.get("matmul_dtype", "float32"))
             ssms = [load_runtime(d, p["engine"], threads=threads) for d in ssm_dirs]   # SSMs: float32 caches
             sampling_ssms = [load_runtime(d, p["engine"], threads=threads) for d in sampling_dirs]
             scheduler = Scheduler(llm, ssms, sampling_ssms=sampling_ssms,
