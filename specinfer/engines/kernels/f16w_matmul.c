@@ -58,15 +58,17 @@ typedef struct {
 } Product;
 
 /* Rows [0, rows) of A (rows <= ROWS) times one panel, with the row count a constant (unrolled). */
-static void block_rows(const float *A, size_t K, const uint16_t *P, float *C, size_t N, int rows) {
-    switch (rows) {
-        case 6: panel_rows(A, K, P, C, N, 6); break;
-        case 5: panel_rows(A, K, P, C, N, 5); break;
-        case 4: panel_rows(A, K, P, C, N, 4); break;
-        case 3: panel_rows(A, K, P, C, N, 3); break;
-        case 2: panel_rows(A, K, P, C, N, 2); break;
-        default: panel_rows(A, K, P, C, N, 1); break;
+#define BY_ROWS(kernel, A, K, P, C, N, rows)          \
+    switch (rows) {                                    \
+        case 6: kernel(A, K, P, C, N, 6); break;       \
+        case 5: kernel(A, K, P, C, N, 5); break;       \
+        case 4: kernel(A, K, P, C, N, 4); break;       \
+        case 3: kernel(A, K, P, C, N, 3); break;       \
+        case 2: kernel(A, K, P, C, N, 2); break;       \
+        default: kernel(A, K, P, C, N, 1); break;      \
     }
+static void block_rows(const float *A, size_t K, const uint16_t *P, float *C, size_t N, int rows) {
+    BY_ROWS(panel_rows, A, K, P, C, N, rows)
 }
 
 /* The bfloat16 products (MatMulBF16 and the three ops beside it): A rounded to bfloat16 (to
@@ -105,14 +107,7 @@ BF16 static inline void bf16_panel_rows(const uint32_t *A, size_t K2, const uint
 }
 
 BF16 static void bf16_block_rows(const uint32_t *A, size_t K2, const uint16_t *P, float *C, size_t N, int rows) {
-    switch (rows) {
-        case 6: bf16_panel_rows(A, K2, P, C, N, 6); break;
-        case 5: bf16_panel_rows(A, K2, P, C, N, 5); break;
-        case 4: bf16_panel_rows(A, K2, P, C, N, 4); break;
-        case 3: bf16_panel_rows(A, K2, P, C, N, 3); break;
-        case 2: bf16_panel_rows(A, K2, P, C, N, 2); break;
-        default: bf16_panel_rows(A, K2, P, C, N, 1); break;
-    }
+    BY_ROWS(bf16_panel_rows, A, K2, P, C, N, rows)
 }
 
 /* Rows of float32 as bfloat16 pairs (round to nearest even, as VCVTNEPS2BF16 rounds), an odd K's
