@@ -5,6 +5,9 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
   float16 and widened in registers: the float32 MatMul of the same numbers, with half the weight
   traffic. It replaces a MatMul only where every weight is a float16 value already (a checkpoint
   saved in float16, as the embedded models are), so the model computes what it did before.
+* ``MatMulBF16`` (same file), asked for by ``matmul_dtype="bfloat16"``: weights and activations
+  rounded to bfloat16 and summed in float32 by AVX512-BF16, at twice the arithmetic rate (a
+  bfloat16 model's products, as on a GPU); only on a CPU that has it (:func:`bf16_products`).
 * ``TreeAttention`` (``kernels/tree_attention.c``) replaces the lowering's GroupQueryAttention:
   the same inputs (but the unused separate key and value) and outputs, the cache read and written
   in place, each query summed over its visible keys in slot order.

@@ -12,6 +12,9 @@
  * same whatever M and whatever thread computes it, so a row's result never depends on the other
  * rows of the batch. The panels are shared out over ONNX Runtime's intra-op pool.
  *
+ * MatMulBF16 and its three siblings (below) are the same products on bfloat16 weights and
+ * activations, for a model asked to compute in bfloat16.
+ *
  * register.c registers it (ort_api.h: the ONNX Runtime C API as used here). */
 #include <immintrin.h>
 #include <stdlib.h>
