@@ -287,15 +287,17 @@ def _stream_events(server, text: str, into: list) -> None:
 
 
 def test_sigterm_ends_running_streams_stops_within_the_grace_period_and_leaves_nothing(two_serves):
-    """Three streams running on the orchestrator's kept threads when SIGTERM comes: each ends at
-    once with "the server is stopping", and serve exits cleanly within its grace period (2 s)."""
+    """Twelve streams running on the orchestrator's kept threads when SIGTERM comes: each ends at
+    once with "the server is stopping", and serve exits cleanly within its grace period (2 s).
+    Twelve, so that each runs at a few hundred tokens/s: three alone once made their 900 tokens
+    in the second the stop takes to reach them (CI, 2026-11-25)."""
     import threading
 
     serve = two_serves[0]
     prefix, repository = serve.shm_prefix(), serve.repository()
     assert repository.is_dir() and shm_files(prefix)
-    events: list[list] = [[] for _ in range(3)]
-    streams = [threading.Thread(target=_stream_events, args=(serve, f"def f{i}(x):", events[i])) for i in range(3)]
+    events: list[list] = [[] for _ in range(12)]
+    streams = [threading.Thread(target=_stream_events, args=(serve, f"def f{i}(x):", events[i])) for i in range(12)]
     for t in streams:
         t.start()
     deadline = time.monotonic() + 60
