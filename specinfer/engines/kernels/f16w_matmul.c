@@ -222,7 +222,7 @@ static OrtStatus *product(OrtKernelContext *ctx, void (*task)(void *, size_t), s
         job.A = scratch;
     }
     if (bf16) {
-        pairs = malloc(M * job.K2 * sizeof(uint32_t) + 1);
+        pairs = malloc(M * job.K2 * sizeof(uint32_t));
         if (pairs == NULL) {
             free(scratch);
             return op_error(name, "out of memory for the rows in bfloat16");
