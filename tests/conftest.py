@@ -109,6 +109,16 @@ def tiny_vocab(tmp_path_factory):
     return runtimes, ckpts
 
 
+def prompt_and_tree_logits(runtime, prompt, tree, parents):
+    """A new sequence's logits on ``runtime``: its prompt's (prefill), then a tree's after it
+    (score); the sequence released."""
+    seq = runtime.start()
+    try:
+        return runtime.prefill(seq, prompt), runtime.score(seq, tree, parents)
+    finally:
+        runtime.release(seq)
+
+
 def chi_square_p(counts, expected_probs) -> float:
     """Chi-square p-value of observed counts against exact probabilities (rare cells pooled)."""
     import numpy as np

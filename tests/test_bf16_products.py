@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import prompt_and_tree_logits
 from specinfer.engines import native
 from specinfer.errors import SpecInferError
 
@@ -127,12 +128,7 @@ def test_an_llm_on_bf16_products_decodes_speculatively_as_incrementally(family, 
     f16_ops = {op for product in (native.OP, native.SWIGLU_OP) for op in (product, native.NORMED_OPS[product])}
     assert ops <= bf16.native_ops and not f16_ops & bf16.native_ops and f16_ops & wide.native_ops
     prompt, tree, parents = [1, 17, 42, 99, 5, 23, 8], [61, 7, 9, 11], [-1, 0, 0, 1]
-    logits = []
-    for rt in (wide, bf16):
-        seq = rt.start()
-        first = rt.prefill(seq, prompt)
-        logits.append((first, rt.score(seq, tree, parents)))
-        rt.release(seq)
+    logits = [prompt_and_tree_logits(rt, prompt, tree, parents) for rt in (wide, bf16)]
     for ours, theirs in zip(logits[1], logits[0]):
         difference = np.abs(ours - theirs).max()
         assert 1e-5 < difference < 0.05 * np.abs(theirs).max(), difference

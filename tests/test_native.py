@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import prompt_and_tree_logits
 from specinfer.engines import native
 
 pytestmark = pytest.mark.skipif(native.library() is None,
@@ -151,12 +152,8 @@ def test_the_residual_norms_run_inside_the_products_they_lead(family, exported, 
     monkeypatch.setattr(native, "use_skip_norms", lambda model: model)
     plain = OrtRuntime(exported[family])
     assert not normed_ops & plain.native_ops
-    logits = []
-    for rt in (runtime, plain):
-        seq = rt.start()
-        first = rt.prefill(seq, [1, 17, 42, 99, 5, 23, 8])
-        logits.append((first, rt.score(seq, [61, 7, 9, 11], [-1, 0, 0, 1])))
-        rt.release(seq)
+    logits = [prompt_and_tree_logits(rt, [1, 17, 42, 99, 5, 23, 8], [61, 7, 9, 11], [-1, 0, 0, 1])
+              for rt in (runtime, plain)]
     for ours, theirs in zip(*logits):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
