@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cache import cache_dir
+from ..errors import SpecInferError
 
 KERNELS = Path(__file__).parent / "kernels"
 DOMAIN = "specinfer.native"
@@ -49,8 +50,6 @@ NORMED_OPS = {OP: "SkipRMSNormMatMulF16W", SWIGLU_OP: "SkipRMSNormMatMulF16WSwiG
 BF16_OPS = {OP: "MatMulBF16", SWIGLU_OP: "MatMulBF16SwiGLU"}
 NORMED_OPS |= {BF16_OPS[op]: f"SkipRMSNorm{BF16_OPS[op]}" for op in (OP, SWIGLU_OP)}
 BF16_CPU_FLAG = "avx512_bf16"   # the bfloat16 products' instructions (VDPBF16PS, VCVTNEPS2BF16)
-BF16_MISSING = ("bfloat16 matrix products need the native kernels on a CPU with AVX512-BF16 (avx512_bf16 in "
-                "/proc/cpuinfo), a C compiler and SPECINFER_NATIVE not 0; use float32")
 ATTENTION_OP = "TreeAttention"
 SLOTS_OP = "TreeAttentionSlots"
 F16_KV_OPS = {ATTENTION_OP: "TreeAttentionF16KV", SLOTS_OP: "TreeAttentionSlotsF16KV"}   # over float16 caches
@@ -122,6 +121,13 @@ def library() -> Path | None:
 def bf16_products() -> bool:
     """Whether the bfloat16 products (``MatMulBF16`` and its siblings) run here."""
     return BF16_CPU_FLAG in cpu_flags() and library() is not None
+
+
+def require_bf16_products() -> None:
+    """Refuse bfloat16 products where they cannot run, saying what they need."""
+    if not bf16_products():
+        raise SpecInferError("bfloat16 matrix products need the native kernels on a CPU with AVX512-BF16 "
+                             f"({BF16_CPU_FLAG} in /proc/cpuinfo), a C compiler and SPECINFER_NATIVE not 0; use float32")
 
 
 def pack_panels(weights: np.ndarray) -> np.ndarray:

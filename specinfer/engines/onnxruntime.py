@@ -192,8 +192,8 @@ class OrtRuntime(Runtime):
         self.kv_dtype = np.dtype(kv_dtype)
         self.kv_itemsize = self.kv_dtype.itemsize
         check_matmul_dtype(matmul_dtype)
-        if matmul_dtype == "bfloat16" and not native.bf16_products():
-            raise SpecInferError(native.BF16_MISSING)
+        if matmul_dtype == "bfloat16":
+            native.require_bf16_products()
         self.matmul_dtype = matmul_dtype
         self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
         self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter

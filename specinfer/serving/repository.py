@@ -15,7 +15,7 @@ from pathlib import Path
 from string import Template
 
 from ..engines.loader import load_runtime, onnx_folder
-from ..engines.native import BF16_MISSING, bf16_products
+from ..engines.native import require_bf16_products
 from ..engines.runtime import check_kv_dtype, check_matmul_dtype
 from ..engines.onnxruntime import read_manifest
 from ..errors import SpecInferError
@@ -132,8 +132,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         raise SpecInferError(f"the metrics interval must be >= 0 seconds, got {metrics_seconds}")
     check_kv_dtype(kv_dtype)
     check_matmul_dtype(matmul_dtype)
-    if matmul_dtype == "bfloat16" and engines is None and not bf16_products():   # refused here, not in a Triton stub
-        raise SpecInferError(BF16_MISSING)
+    if matmul_dtype == "bfloat16" and engines is None:   # refused here, not in a Triton model's stub
+        require_bf16_products()
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not is_repository(out):
