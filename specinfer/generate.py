@@ -162,7 +162,7 @@ class LocalSpeculator:
                                         min_confidence=min_confidence, sizer=self.sizer, rule=rule)
                              for i, rt in enumerate(ssms)]
             if lookup:
-                self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup", rule), DYNAMIC_DEPTH)
+                self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup", rule))
         except BaseException:
             self.release()
             raise

@@ -20,6 +20,10 @@ from .tree_sizing import Acceptance, TreeSizer
 
 LONGEST_MATCH = 3                                 # tokens of the sequence's end looked up, at most
 MATCH_PROBABILITY = {1: 0.3, 2: 0.5, 3: 0.7}      # a copied token's nominal probability by match length
+REPEAT_PROBABILITY = 0.9                          # ... and a repeat's, copied past the sequence's end
+# Tokens copied at most: more than an SSM's chain, as a copy costs no model call and a sequence that
+# repeats itself is accepted far (embedded prompts, bfloat16: 4.3-4.4 tokens a step against 4.1 at 8).
+LOOKUP_DEPTH = 16
 
 
 class LookupDrafter:
@@ -27,7 +31,7 @@ class LookupDrafter:
     last occurred (with what followed): ``prefill``, ``draft``, ``commit``, ``release``, as
     :class:`speculate.SSMDrafter` has them, but a draft needs only the root and the node budget."""
 
-    def __init__(self, index: int, sizer: TreeSizer, record: Acceptance, depth: int):
+    def __init__(self, index: int, sizer: TreeSizer, record: Acceptance, depth: int = LOOKUP_DEPTH):
         self.index, self.sizer, self.record, self.depth = index, sizer, record, depth
         self.tokens: list[int] = []               # the sequence before the next root
         # A run of 1..LONGEST_MATCH tokens -> the index after its latest occurrence.
@@ -50,7 +54,8 @@ class LookupDrafter:
 
     def draft(self, root: int, budget: int) -> TokenTree:
         """A chain copied from after the latest earlier occurrence of the sequence's longest
-        matching end (root included), cut where more tokens would not pay."""
+        matching end (root included; past it, the copy repeats itself), cut where more tokens
+        would not pay."""
         tree = self._tree = TokenTree(root)
         self._proposed, self.speedup = [], 0.0
         context = self.tokens + [int(root)]
@@ -60,14 +65,21 @@ class LookupDrafter:
                 break
         else:
             return tree
-        chain = context[start:start + min(self.depth, budget - 1)]
-        probability = MATCH_PROBABILITY[n]
-        reach = list(itertools.accumulate(self.record([probability] * len(chain), 0), operator.mul))
+        # Where the latest occurrence runs into the sequence's end (a run that repeats with period
+        # len(context) - start), the copy goes on from its own tokens, as LZ77's overlapping
+        # copies do: a sequence that repeats itself is predicted to keep repeating, as far as the
+        # depth allows, not only to the end of what it has repeated so far.
+        period = len(context) - start
+        chain: list[int] = []
+        for i in range(min(self.depth, budget - 1)):
+            chain.append(context[start + i] if i < period else chain[i - period])
+        probability = [MATCH_PROBABILITY[n] if i < period else REPEAT_PROBABILITY for i in range(len(chain))]
+        reach = list(itertools.accumulate(self.record(probability, 0), operator.mul))
         self.speedup = self.sizer.speedup(reach, free=True)
         node = 0
-        for token in chain[:self.sizer.best_count(reach)]:
+        for token, p in zip(chain[:self.sizer.best_count(reach)], probability):
             node = tree.add(node, token, Proposal(self.index, 0, None))
-            self._proposed.append((node, 0, probability))
+            self._proposed.append((node, 0, p))
         return tree
 
     def commit(self, path_tokens: Sequence[int]) -> None:

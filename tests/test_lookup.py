@@ -1,7 +1,7 @@
 """Drafting by lookup: what it proposes, how many of its tokens it keeps, what it learns."""
 import pytest
 
-from specinfer.lookup import MATCH_PROBABILITY, LookupDrafter
+from specinfer.lookup import MATCH_PROBABILITY, REPEAT_PROBABILITY, LookupDrafter
 from specinfer.tree_sizing import Acceptance, StepCost, TreeSizer
 
 CHEAP = StepCost((1, 16), (1.0, 1.05))     # tree tokens nearly free: every likely token pays
@@ -23,9 +23,19 @@ def chain(tree):
 def test_copies_what_followed_the_latest_longest_match():
     # "7 8" occurred twice: the latest occurrence was followed by 4 5 6; "8" alone also by 9.
     d = drafter([1, 7, 8, 9, 2, 7, 8, 4, 5, 6, 3, 7])
-    assert chain(d.draft(8, budget=64)) == [4, 5, 6, 3, 7, 8]   # up to the root, included
+    # Up to the root, included; past it, the copy repeats itself: 8 was followed by 4 5.
+    assert chain(d.draft(8, budget=64)) == [4, 5, 6, 3, 7, 8, 4, 5]
     d.commit([8])
     assert chain(d.draft(9, budget=64)) == [2, 7, 8, 4, 5, 6, 3, 7]   # depth 8 at most
+
+
+def test_a_repeating_run_is_copied_on_past_its_end():
+    # "a b" repeated: the latest "b a b" ended two tokens ago, and the copy goes on a b a b ...
+    d = drafter([5, 1, 2, 1, 2, 1])
+    assert chain(d.draft(2, budget=64)) == [1, 2, 1, 2, 1, 2, 1, 2]
+    # The two tokens that did follow "b a b" are rated as a three-token match; the repeats apart.
+    assert [p for _, _, p in d._proposed] == [MATCH_PROBABILITY[3]] * 2 + [REPEAT_PROBABILITY] * 6
+    assert chain(d.draft(2, budget=4)) == [1, 2, 1]
 
 
 def test_nothing_to_copy():
