@@ -23,7 +23,7 @@ def chain(tree):
 def test_copies_what_followed_the_latest_longest_match():
     # "7 8" occurred twice: the latest occurrence was followed by 4 5 6; "8" alone also by 9.
     d = drafter([1, 7, 8, 9, 2, 7, 8, 4, 5, 6, 3, 7])
-    # Up to the root, included; past it, the copy repeats itself: 8 was followed by 4 5.
+    # Up to the root, included; past it the copy goes on from its own tokens: 4 5 again.
     assert chain(d.draft(8, budget=64)) == [4, 5, 6, 3, 7, 8, 4, 5]
     d.commit([8])
     assert chain(d.draft(9, budget=64)) == [2, 7, 8, 4, 5, 6, 3, 7]   # depth 8 at most
