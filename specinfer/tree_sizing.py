@@ -152,9 +152,11 @@ class TreeSizer:
         slope = max(0.0, (n * sty - st * sy) / var) if var > 1e-12 else 0.0
         return (sy - slope * st) / n, slope
 
-    def llm_seconds(self, tree_tokens: np.ndarray | float) -> np.ndarray | float:
+    def llm_seconds(self, tree_tokens: float) -> float:
+        """Seconds of an LLM call verifying ``tree_tokens`` tokens, by the fitted line (a plain
+        float: every step evaluates it for each count of nodes it weighs)."""
         intercept, slope = self._line
-        return np.maximum(intercept + slope * np.asarray(tree_tokens, dtype=float), 1e-6)
+        return max(intercept + slope * tree_tokens, 1e-6)
 
     def observe(self, overhead_seconds: float | None, weight: float = 0.2, tree_tokens: int | None = None,
                 llm_seconds: float | None = None) -> None:
@@ -176,14 +178,13 @@ class TreeSizer:
         drafter whose cost follows how deep it drafts)."""
         # Every step runs this on a few nodes: plain floats (a numpy call on a few numbers costs
         # ~1 us, and this made a dozen a call).
-        intercept, slope = self._line
         per_count = not isinstance(extra_seconds, (int, float))
         total, rates = 0.0, []
         for count in range(len(reach) + 1):
             if count:
                 total += reach[count - 1]
             extra = extra_seconds[count] if per_count else extra_seconds
-            seconds = max(intercept + slope * (count + 1), 1e-6) + max(self.overhead + extra, 0.0)
+            seconds = self.llm_seconds(count + 1) + max(self.overhead + extra, 0.0)
             rates.append((total + 1.0) / seconds)
         return rates
 
@@ -203,9 +204,9 @@ class TreeSizer:
         """:meth:`best_count` and :meth:`speedup` of the same nodes, from one evaluation."""
         rates = self.tokens_per_second(reach, extra_seconds)
         count = max(range(len(rates)), key=rates.__getitem__)   # the first of equals, as argmax
-        return count, rates[count] * max(self._line[0] + self._line[1], 1e-6)
+        return count, rates[count] * self.llm_seconds(1)
 
-    def best_count(self, reach: Sequence[float], extra_seconds: "float | np.ndarray" = 0.0) -> int:
+    def best_count(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
         a child's reach never exceeds its parent's, so a kept prefix is always a tree)."""
         return self.best(reach, extra_seconds)[0]

@@ -172,10 +172,11 @@ def test_drafting_seconds_per_node_count_keep_fewer_nodes():
     sizer = TreeSizer(StepCost((1, 9), (1.0, 4.0)), overhead=0.5)
     reach, n = np.cumprod([0.9] * 8), np.arange(9)
     expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
-    assert np.allclose(sizer.tokens_per_second(reach, 0.3 * n), expected / (sizer.llm_seconds(1 + n) + 0.5 + 0.3 * n))
+    llm = np.array([sizer.llm_seconds(t) for t in 1 + n])
+    assert np.allclose(sizer.tokens_per_second(reach, 0.3 * n), expected / (llm + 0.5 + 0.3 * n))
     assert sizer.best_count(reach, 0.3 * n) < sizer.best_count(reach)
     # Drafting shallower saves at most the whole overhead: a step never costs less than its LLM call.
-    assert np.allclose(sizer.tokens_per_second(reach, -5.0), expected / sizer.llm_seconds(1 + n))
+    assert np.allclose(sizer.tokens_per_second(reach, -5.0), expected / llm)
     assert sizer.speedup(reach, extra_seconds=0.3 * n) < sizer.speedup(reach)
 
 
