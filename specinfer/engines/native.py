@@ -183,8 +183,8 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object], bf16: b
     64) run ``MatMulF16W`` on the weight packed in float16, or ``model`` itself where none does.
     ``bf16``: every such MatMul by a float32 weight, float16-exact or not, runs ``MatMulBF16`` on
     the weight rounded to bfloat16 (and its activations rounded too: a bfloat16 model's products).
-    ``packed``: weight name -> packed initializer (None: not float16-exact), filled and reused
-    across the sessions of one export."""
+    ``packed``: weight name + ".f16w" or ".bf16w" -> packed initializer (None: not rewritten),
+    filled and reused across the sessions of one export."""
     import onnx
     from onnx import numpy_helper
 

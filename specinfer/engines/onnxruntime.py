@@ -195,7 +195,7 @@ class OrtRuntime(Runtime):
         if matmul_dtype == "bfloat16":
             native.require_bf16_products()
         self.matmul_dtype = matmul_dtype
-        self._f16_weights: dict[str, object] = {}   # weight name -> packed for the native MatMul, or None
+        self._f16_weights: dict[str, object] = {}   # weight name + suffix -> packed for the native MatMuls, or None
         self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))

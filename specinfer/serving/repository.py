@@ -147,10 +147,10 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
             raise SpecInferError(f"SSM {d} has another vocabulary size than the LLM ({vocab})")
     engine = "onnxruntime"
     if engines is not None:
-        asked = [f"{kv_dtype} KV caches"] * (kv_dtype != "float32") + [f"{matmul_dtype} matrix products"] * (
-            matmul_dtype != "float32")
-        if asked:
-            raise SpecInferError(f"{' and '.join(asked)} run on ONNX Runtime only, not on TensorRT engines (an engine "
+        dtypes = {"KV caches": kv_dtype, "matrix products": matmul_dtype}
+        refused = [f"{dtype} {what}" for what, dtype in dtypes.items() if dtype != "float32"]
+        if refused:
+            raise SpecInferError(f"{' and '.join(refused)} run on ONNX Runtime only, not on TensorRT engines (an engine "
                                  f"computes in its export's dtype)")
         engine, engines = "tensorrt", Path(engines).resolve()
         llm_dir, ssm_dirs = engines / "llm", [engines / f"ssm_{i}" for i in range(len(ssm_dirs))]
