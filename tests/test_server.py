@@ -224,16 +224,21 @@ def test_the_metrics_page_is_prometheus_text_and_its_histograms_add_up(triton_se
 
     parser = pytest.importorskip("prometheus_client.parser")
     assert generate(triton_server, "ensemble_fused", text_input=PROMPTS[0])[0] == 200
-    deadline = time.monotonic() + 10
-    while True:   # the models push their series from a thread of their own
+    deadline, last = time.monotonic() + 10, None
+    while True:
         text = urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode()
         samples: dict[str, list] = {}
         for family in parser.text_string_to_metric_families(text):
             for sample in family.samples:   # (the parser names counter samples with _total)
                 samples.setdefault(sample.name.removesuffix("_total"), []).append(sample)
         fused = [s for s in samples.get("specinfer_step_seconds_count", []) if s.labels["model"] == "ensemble_fused"]
-        if (fused and fused[0].value > 0) or time.monotonic() > deadline:
+        # The models push their series from a thread of their own, one series a round trip, so a
+        # page scraped during a push may have a histogram's +Inf bucket a step ahead of its _count:
+        # the page is read once ours is pushed and two scrapes 0.2 s apart agree.
+        ours = [line for line in text.splitlines() if line.startswith("specinfer_")]
+        if (fused and fused[0].value > 0 and ours == last) or time.monotonic() > deadline:
             break
+        last = ours
         time.sleep(0.2)
     for name in ("specinfer_step_seconds", "specinfer_accepted_tokens_per_step"):
         models = {s.labels["model"] for s in samples[f"{name}_count"]}
