@@ -44,7 +44,7 @@ class BenchConfig:
     streams: tuple[int, ...] = ()   # greedy: also through the scheduler, with this many requests at once
     rounds: int = 1                 # every contender this many times over the prompts; the median round reported
     kv_dtype: str = "float32"       # our LLM's KV caches (float16: rounded; SSMs and peers keep their own)
-    matmul_dtype: str = "float32"   # our LLM's matrix products (bfloat16: rounded; SSMs and peers keep float32)
+    matmul_dtype: str = "float32"   # our LLM's matrix products (bfloat16, int8: rounded; SSMs and peers keep float32)
 
 
 def _measured(stats: "Stats", peer: bool = False) -> dict:

@@ -42,7 +42,7 @@ class Pipeline:
         caches' type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded
         to float16: logits move by ~1e-3; ONNX Runtime on the native kernels only). The SSMs keep
         float32 caches: theirs are small, and their drafter node reads float32 only. ``matmul_dtype``:
-        the LLM's matrix products, float32 or bfloat16 (see :func:`~specinfer.engines.loader.load_runtime`);
+        the LLM's matrix products, float32, bfloat16 or int8 (see :func:`~specinfer.engines.loader.load_runtime`);
         the SSMs' stay float32."""
         self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype, matmul_dtype)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]

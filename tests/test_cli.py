@@ -23,10 +23,11 @@ def test_export_then_generate(tmp_path, checkpoints):
     from specinfer import Pipeline
     assert Pipeline(out).generate("def f(x):", 8) + "\n" == r.stdout
     from specinfer.engines import native
-    if native.bf16_products():   # the LLM's products in bfloat16: the same text as the API's on them
-        r = run("generate", "--model", str(out), "def f(x):", "--max-tokens", "8", "--matmul-dtype", "bfloat16")
-        assert r.returncode == 0, r.stderr
-        assert Pipeline(out, matmul_dtype="bfloat16").generate("def f(x):", 8) + "\n" == r.stdout
+    for dtype in ("bfloat16", "int8"):   # the LLM's products in bfloat16, int8: the same text as the API's on them
+        if native.products_run(dtype):
+            r = run("generate", "--model", str(out), "def f(x):", "--max-tokens", "8", "--matmul-dtype", dtype)
+            assert r.returncode == 0, r.stderr
+            assert Pipeline(out, matmul_dtype=dtype).generate("def f(x):", 8) + "\n" == r.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -178,9 +178,12 @@ def test_only_matmuls_by_float16_exact_weights_are_rewritten(tmp_path):
     assert sorted(i.name for i in out.graph.initializer) == ["exact.f16w", "inexact", "narrow"]
     assert [n.op_type for n in model.graph.node] == ["MatMul"] * 3   # the model given is left as it was
     assert packed["inexact.f16w"] is None and packed["narrow.f16w"] is None
-    out = native.use_f16_weights(model, tmp_path, packed, bf16=True)   # bfloat16 products: any float32 weight
+    out = native.use_f16_weights(model, tmp_path, packed, products="bfloat16")   # any float32 weight
     assert [n.op_type for n in out.graph.node] == [native.BF16_OPS[native.OP]] * 2 + ["MatMul"]
     assert sorted(i.name for i in out.graph.initializer) == ["exact.bf16w", "inexact.bf16w", "narrow"]
+    out = native.use_f16_weights(model, tmp_path, packed, products="int8")   # the same, each with its scales
+    assert [list(n.input) for n in out.graph.node[:2]] == [["x", f"{w}.i8w", f"{w}.i8w.scales"] for w in ("exact", "inexact")]
+    assert [n.op_type for n in out.graph.node] == [native.I8_OPS[native.OP]] * 2 + ["MatMul"]
 
 
 def test_an_export_of_float16_values_decodes_on_the_native_kernel_as_on_ort_matmul(exported, monkeypatch):

@@ -7,7 +7,10 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
   saved in float16, as the embedded models are), so the model computes what it did before.
 * ``MatMulBF16`` (same file), asked for by ``matmul_dtype="bfloat16"``: weights and activations
   rounded to bfloat16 and summed in float32 by AVX512-BF16, at twice the arithmetic rate (a
-  bfloat16 model's products, as on a GPU); only on a CPU that has it (:func:`bf16_products`).
+  bfloat16 model's products, as on a GPU); only on a CPU that has it (:func:`products_run`).
+* ``MatMulI8`` (same file), asked for by ``matmul_dtype="int8"``: weights quantized to int8 per
+  column, activations per row as the op runs, summed exactly in int32 by AVX512-VNNI, at twice the
+  bfloat16 rate and half its weight bytes; only on a CPU that has it.
 * ``TreeAttention`` (``kernels/tree_attention.c``) replaces the lowering's GroupQueryAttention:
   the same inputs (but the unused separate key and value) and outputs, the cache read and written
   in place, each query summed over its visible keys in slot order.
@@ -46,10 +49,17 @@ DOMAIN = "specinfer.native"
 OP = "MatMulF16W"
 SWIGLU_OP = "MatMulF16WSwiGLU"
 NORMED_OPS = {OP: "SkipRMSNormMatMulF16W", SWIGLU_OP: "SkipRMSNormMatMulF16WSwiGLU"}   # by the product they lead
-# The same products on bfloat16 weights and activations (kernels/f16w_matmul.c), by their float16 op.
+# The same products on bfloat16 or int8 weights and activations (kernels/f16w_matmul.c), by their
+# float16 op; the int8 ops take the weight's scales and sums as an input after it.
 BF16_OPS = {OP: "MatMulBF16", SWIGLU_OP: "MatMulBF16SwiGLU"}
-NORMED_OPS |= {BF16_OPS[op]: f"SkipRMSNorm{BF16_OPS[op]}" for op in (OP, SWIGLU_OP)}
-BF16_CPU_FLAG = "avx512_bf16"   # the bfloat16 products' instructions (VDPBF16PS, VCVTNEPS2BF16)
+I8_OPS = {OP: "MatMulI8", SWIGLU_OP: "MatMulI8SwiGLU"}
+PRODUCT_OPS = {"float16": {OP: OP, SWIGLU_OP: SWIGLU_OP}, "bfloat16": BF16_OPS, "int8": I8_OPS}   # by weights' type
+NORMED_OPS |= {ops[op]: f"SkipRMSNorm{ops[op]}" for ops in (BF16_OPS, I8_OPS) for op in (OP, SWIGLU_OP)}
+# The CPU flag each reduced product type's instructions need: VDPBF16PS and VCVTNEPS2BF16; VPDPBUSD.
+PRODUCT_CPU_FLAGS = {"bfloat16": "avx512_bf16", "int8": "avx512_vnni"}
+PRODUCT_NAMES = {"bfloat16": "AVX512-BF16", "int8": "AVX512-VNNI"}
+WEIGHT_SUFFIXES = {"float16": ".f16w", "bfloat16": ".bf16w", "int8": ".i8w"}   # a packed weight's name: the weight's + this
+SCALES = ".scales"   # an int8 weight's scales and sums: its packed name + this
 ATTENTION_OP = "TreeAttention"
 SLOTS_OP = "TreeAttentionSlots"
 F16_KV_OPS = {ATTENTION_OP: "TreeAttentionF16KV", SLOTS_OP: "TreeAttentionSlotsF16KV"}   # over float16 caches
@@ -118,16 +128,19 @@ def library() -> Path | None:
     return out
 
 
-def bf16_products() -> bool:
-    """Whether the bfloat16 products (``MatMulBF16`` and its siblings) run here."""
-    return BF16_CPU_FLAG in cpu_flags() and library() is not None
+def products_run(matmul_dtype: str) -> bool:
+    """Whether the products in ``matmul_dtype`` (bfloat16: ``MatMulBF16`` and its siblings; int8:
+    ``MatMulI8`` and its) run here; float32 always does."""
+    flag = PRODUCT_CPU_FLAGS.get(matmul_dtype)
+    return flag is None or (flag in cpu_flags() and library() is not None)
 
 
-def require_bf16_products() -> None:
-    """Refuse bfloat16 products where they cannot run, saying what they need."""
-    if not bf16_products():
-        raise SpecInferError("bfloat16 matrix products need the native kernels on a CPU with AVX512-BF16 "
-                             f"({BF16_CPU_FLAG} in /proc/cpuinfo), a C compiler and SPECINFER_NATIVE not 0; use float32")
+def require_products(matmul_dtype: str) -> None:
+    """Refuse products in ``matmul_dtype`` where they cannot run, saying what they need."""
+    if not products_run(matmul_dtype):
+        raise SpecInferError(f"{matmul_dtype} matrix products need the native kernels on a CPU with "
+                             f"{PRODUCT_NAMES[matmul_dtype]} ({PRODUCT_CPU_FLAGS[matmul_dtype]} in /proc/cpuinfo), "
+                             f"a C compiler and SPECINFER_NATIVE not 0; use float32")
 
 
 def pack_panels(weights: np.ndarray) -> np.ndarray:
@@ -146,23 +159,44 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def pack_group_panels(values: np.ndarray, group: int) -> np.ndarray:
+    """A [K, N] weight as the bfloat16 (``group`` 2, :func:`bf16_bits`) or int8 (4,
+    :func:`quantize_columns`) kernels read it: panels of 64 columns by groups of rows,
+    [ceil(N / 64), ceil(K / group), 64 x group], zero-padded."""
+    k, n = values.shape
+    padded = np.zeros((-(-k // group) * group, -(-n // PANEL) * PANEL), values.dtype)
+    padded[:k, :n] = values
+    groups = padded.reshape(-1, group, padded.shape[1] // PANEL, PANEL).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(groups).reshape(groups.shape[0], groups.shape[1], group * PANEL)
+
+
 def pack_pair_panels(bits: np.ndarray) -> np.ndarray:
-    """A [K, N] bfloat16 weight (:func:`bf16_bits`) as the bfloat16 kernels read it: panels of 64
-    columns by pairs of rows, [ceil(N / 64), ceil(K / 2), 64 x 2], zero-padded."""
-    k, n = bits.shape
-    padded = np.zeros((k + k % 2, -(-n // PANEL) * PANEL), np.uint16)
-    padded[:k, :n] = bits
-    pairs = padded.reshape(-1, 2, padded.shape[1] // PANEL, PANEL).transpose(2, 0, 3, 1)
-    return np.ascontiguousarray(pairs).reshape(pairs.shape[0], pairs.shape[1], 2 * PANEL)
+    """A [K, N] bfloat16 weight (:func:`bf16_bits`) as the bfloat16 kernels read it (pairs of rows)."""
+    return pack_group_panels(bits, 2)
 
 
-def unpack_panels(packed: np.ndarray, bf16: bool) -> np.ndarray:
-    """The [K, N] weight of :func:`pack_panels` or (``bf16``) :func:`pack_pair_panels`, an odd K's
-    zero row kept."""
-    if bf16:
-        p, k2, _ = packed.shape
-        return packed.reshape(p, k2, PANEL, 2).transpose(1, 3, 0, 2).reshape(2 * k2, p * PANEL)
-    return packed.transpose(1, 0, 2).reshape(packed.shape[1], -1)
+def unpack_panels(packed: np.ndarray, group: int = 1) -> np.ndarray:
+    """The [K, N] weight of :func:`pack_panels` (``group`` 1) or :func:`pack_group_panels`, K's
+    padding rows kept."""
+    p, kg, _ = packed.shape
+    return packed.reshape(p, kg, PANEL, group).transpose(1, 3, 0, 2).reshape(group * kg, p * PANEL)
+
+
+def quantize_columns(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A [K, N] float32 weight as the int8 kernels take it: ``q`` int8 [K, N] in [-127, 127] and each
+    column's ``scale`` (float32 [N], its largest magnitude m / 127; 0 for a column of zeros), weights
+    ~ scale * q, q = round(weights x (127 / m)) to nearest even, as the kernels quantize activations."""
+    weights = np.asarray(weights, np.float32)
+    largest = np.abs(weights).max(axis=0)
+    inverse = np.divide(np.float32(127), largest, out=np.zeros_like(largest), where=largest > 0)
+    return np.clip(np.rint(weights * inverse), -127, 127).astype(np.int8), largest / np.float32(127)
+
+
+def i8_scales(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The int8 ops' input beside the weight ``q`` [K, N] (N a multiple of 64): [2, N] float32, each
+    column's scale, then the sum of its int8 weights (the kernel takes 128 times it off, as it feeds
+    each activation to VPDPBUSD as an unsigned q + 128)."""
+    return np.stack([scale, q.sum(axis=0, dtype=np.int64)]).astype(np.float32)
 
 
 def bf16_initializer(bits: np.ndarray, name: str):
@@ -178,18 +212,19 @@ def f16_exact(weights: np.ndarray) -> np.ndarray | None:
     return half if np.array_equal(half.astype(weights.dtype), weights) else None
 
 
-def use_f16_weights(model, weights_dir: Path, packed: dict[str, object], bf16: bool = False):
+def use_f16_weights(model, weights_dir: Path, packed: dict[str, object], products: str = "float16"):
     """A copy of ``model`` whose MatMuls by a float16-exact float32 weight ([K, N], N a multiple of
     64) run ``MatMulF16W`` on the weight packed in float16, or ``model`` itself where none does.
-    ``bf16``: every such MatMul by a float32 weight, float16-exact or not, runs ``MatMulBF16`` on
-    the weight rounded to bfloat16 (and its activations rounded too: a bfloat16 model's products).
-    ``packed``: weight name + ".f16w" or ".bf16w" -> packed initializer (None: not rewritten),
-    filled and reused across the sessions of one export."""
+    ``products`` "bfloat16" or "int8": every such MatMul by a float32 weight, float16-exact or not,
+    runs ``MatMulBF16`` on the weight rounded to bfloat16 (and its activations rounded too: a
+    bfloat16 model's products) or ``MatMulI8`` on it quantized per column (and its activations per
+    row). ``packed``: weight name + its suffix (:data:`WEIGHT_SUFFIXES`) -> packed initializers (None:
+    not rewritten), filled and reused across the sessions of one export."""
     import onnx
     from onnx import numpy_helper
 
     inits = {init.name: init for init in model.graph.initializer}
-    suffix = ".bf16w" if bf16 else ".f16w"
+    suffix = WEIGHT_SUFFIXES[products]
     chosen = []   # indices of the MatMuls rewritten
     for index, node in enumerate(model.graph.node):
         if node.op_type != "MatMul" or node.domain or node.input[1] not in inits:
@@ -201,10 +236,7 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object], bf16: b
             if (init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2 and init.dims[1] % PANEL == 0
                     and init.dims[0] * init.dims[1] > MIN_WEIGHT_VALUES):
                 weights = numpy_helper.to_array(init, base_dir=str(weights_dir))
-                if bf16:
-                    packed[name + suffix] = bf16_initializer(pack_pair_panels(bf16_bits(weights)), name + suffix)
-                elif (half := f16_exact(weights)) is not None:
-                    packed[name + suffix] = numpy_helper.from_array(pack_panels(half), name + suffix)
+                packed[name + suffix] = packed_weight(weights, products, name + suffix)
         if packed[name + suffix] is not None:
             chosen.append(index)
     if not chosen:
@@ -214,18 +246,40 @@ def use_f16_weights(model, weights_dir: Path, packed: dict[str, object], bf16: b
     weights = sorted({model.graph.node[i].input[1] + suffix for i in chosen})
     for i in chosen:
         node = out.graph.node[i]
-        node.op_type, node.domain = BF16_OPS[OP] if bf16 else OP, DOMAIN
+        node.op_type, node.domain = PRODUCT_OPS[products][OP], DOMAIN
         node.input[1] = node.input[1] + suffix
+        if products == "int8":
+            node.input.append(node.input[1] + SCALES)
     # The float32 weights no other node reads are dropped: their session never loads them.
-    return _with_initializers(out, [packed[w] for w in weights])
+    return _with_initializers(out, [init for w in weights for init in packed[w]])
+
+
+def packed_weight(weights: np.ndarray, products: str, name: str) -> list | None:
+    """The initializers of ``weights`` [K, N] packed for the ``products`` kernels under ``name`` (an
+    int8 weight's scales beside it), or None where float16 products cannot take it exactly."""
+    from onnx import numpy_helper
+
+    if products == "bfloat16":
+        return [bf16_initializer(pack_pair_panels(bf16_bits(weights)), name)]
+    if products == "int8":
+        q, scale = quantize_columns(weights)
+        return [numpy_helper.from_array(pack_group_panels(q, 4), name),
+                numpy_helper.from_array(i8_scales(q, scale), name + SCALES)]
+    half = f16_exact(weights)
+    return None if half is None else [numpy_helper.from_array(pack_panels(half), name)]
+
+
+def swiglu_columns(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """[K, I] gate and up (I a multiple of 32) as one [K, 2 I], each 64 columns 32 of ``gate`` then
+    the same 32 of ``up``: the columns of ``MatMulF16WSwiGLU``'s panels."""
+    k, halves = gate.shape[0], PANEL // 2
+    return np.stack([gate.reshape(k, -1, halves), up.reshape(k, -1, halves)], axis=2).reshape(k, -1)
 
 
 def pack_swiglu(gate: np.ndarray, up: np.ndarray, pack=pack_panels) -> np.ndarray:
-    """The weights ``MatMulF16WSwiGLU`` reads: [K, I] gate and up (I a multiple of 32) packed as
-    ``pack`` packs [K, 2 I] (:func:`pack_pair_panels` for ``MatMulBF16SwiGLU``), each panel holding
-    32 columns of ``gate`` then the same 32 of ``up``."""
-    k, halves = gate.shape[0], PANEL // 2
-    return pack(np.stack([gate.reshape(k, -1, halves), up.reshape(k, -1, halves)], axis=2).reshape(k, -1))
+    """The weights ``MatMulF16WSwiGLU`` reads: [K, I] gate and up in :func:`swiglu_columns` packed
+    as ``pack`` packs [K, 2 I] (:func:`pack_pair_panels` for ``MatMulBF16SwiGLU``)."""
+    return pack(swiglu_columns(gate, up))
 
 
 def use_swiglu(model, packed: dict[str, object]):
@@ -248,9 +302,9 @@ def use_swiglu(model, packed: dict[str, object]):
     inits = {init.name: init for init in model.graph.initializer}
     fused = {}   # index of the MatMul -> (the fused node, the indices of the nodes it replaces)
     for index, node in enumerate(nodes):
-        if node.op_type not in (OP, BF16_OPS[OP]) or node.domain != DOMAIN or node.input[1] not in inits:
+        products = next((t for t, ops in PRODUCT_OPS.items() if ops[OP] == node.op_type), None)
+        if products is None or node.domain != DOMAIN or node.input[1] not in inits:
             continue
-        bf16 = node.op_type != OP
         split = only_reader(node.output[0], "Split")
         if split is None or len(nodes[split].output) != 2 or len(nodes[split].input) > 1:
             continue
@@ -269,20 +323,25 @@ def use_swiglu(model, packed: dict[str, object]):
         if act is None or sorted(nodes[act].input) != sorted([nodes[silu].output[0], up]) or len(readers.get(up, [])) != 1:
             continue
         name = f"{node.input[1]}.swiglu"
-        if name not in packed:
+        if name not in packed:   # the same weights, their columns reordered
             init = inits[node.input[1]]   # [Wg | Wu] packed
-            w = (np.frombuffer(init.raw_data, np.uint16).reshape(init.dims) if bf16 else numpy_helper.to_array(init))
-            gate, up = np.split(unpack_panels(w, bf16), 2, axis=1)
-            packed[name] = (bf16_initializer(pack_swiglu(gate, up, pack_pair_panels), name) if bf16
-                            else numpy_helper.from_array(pack_swiglu(gate, up), name))
-        replaced = helper.make_node(BF16_OPS[SWIGLU_OP] if bf16 else SWIGLU_OP, [node.input[0], name], [nodes[act].output[0]],
+            group = {"float16": 1, "bfloat16": 2, "int8": 4}[products]
+            w = (np.frombuffer(init.raw_data, np.uint16).reshape(init.dims) if products == "bfloat16"
+                 else numpy_helper.to_array(init))
+            w = pack_group_panels(swiglu_columns(*np.split(unpack_panels(w, group), 2, axis=1)), group)
+            packed[name] = [bf16_initializer(w, name) if products == "bfloat16" else numpy_helper.from_array(w, name)]
+            if products == "int8":   # its scales and sums, their columns reordered alike
+                scales = numpy_helper.to_array(inits[node.input[2]])
+                packed[name].append(numpy_helper.from_array(swiglu_columns(*np.split(scales, 2, axis=1)), name + SCALES))
+        inputs = [node.input[0], name] + ([name + SCALES] if products == "int8" else [])
+        replaced = helper.make_node(PRODUCT_OPS[products][SWIGLU_OP], inputs, [nodes[act].output[0]],
                                     name=f"{node.name}.swiglu", domain=DOMAIN)
         fused[index] = (replaced, {split, sigmoid, silu, act})
     if not fused:
         return model
     dropped = set().union(*(r for _, r in fused.values()))
     return _with_nodes(model, [fused[i][0] if i in fused else n for i, n in enumerate(nodes) if i not in dropped],
-                       [packed[w] for w in sorted({n.input[1] for n, _ in fused.values()})])
+                       [init for w in sorted({n.input[1] for n, _ in fused.values()}) for init in packed[w]])
 
 
 def use_skip_norms(model):
@@ -309,7 +368,7 @@ def use_skip_norms(model):
         eps = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
         eps_name = epsilons.setdefault(float(eps), f"skip_norm.epsilon.{len(epsilons)}")
         total = node.output[3] if len(node.output) > 3 and node.output[3] else f"{node.output[0]}.sum"
-        fused[index] = helper.make_node(NORMED_OPS[product.op_type], [*node.input, eps_name, product.input[1]],
+        fused[index] = helper.make_node(NORMED_OPS[product.op_type], [*node.input, eps_name, *product.input[1:]],
                                         [product.output[0], total], name=f"{product.name}.skip_norm", domain=DOMAIN)
         dropped.add(at[0])
     if not fused:

@@ -192,9 +192,10 @@ class OrtRuntime(Runtime):
         self.kv_dtype = np.dtype(kv_dtype)
         self.kv_itemsize = self.kv_dtype.itemsize
         check_matmul_dtype(matmul_dtype)
-        if matmul_dtype == "bfloat16":
-            native.require_bf16_products()
+        native.require_products(matmul_dtype)
         self.matmul_dtype = matmul_dtype
+        # The native products' weights: float16 where the stored ones are exactly float16 (float32 products)
+        self._products = "float16" if matmul_dtype == "float32" else matmul_dtype
         self._f16_weights: dict[str, object] = {}   # weight name + suffix -> packed for the native MatMuls, or None
         self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
@@ -228,7 +229,7 @@ class OrtRuntime(Runtime):
         if library is not None:
             if not half:   # the drafter node reads float32 caches only
                 graph = native.use_draft_chain(graph, self.dir, self._draft_panels)
-            graph = native.use_f16_weights(graph, self.dir, self._f16_weights, bf16=self.matmul_dtype == "bfloat16")
+            graph = native.use_f16_weights(graph, self.dir, self._f16_weights, products=self._products)
             graph = native.use_swiglu(graph, self._f16_weights)
             graph = native.use_skip_norms(graph)
             graph = native.use_slot_attention(native.use_tree_attention(graph))

@@ -78,10 +78,11 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise SpecInferError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
 
-# What an LLM's matrix products compute in: float32 (the stored weights, exactly), or bfloat16
+# What an LLM's matrix products compute in: float32 (the stored weights, exactly), bfloat16
 # (weights and activations rounded to bfloat16, sums in float32, as a GPU's bfloat16 products;
-# ONNX Runtime's native kernels on a CPU with AVX512-BF16 only).
-MATMUL_DTYPES = ("float32", "bfloat16")
+# ONNX Runtime's native kernels on a CPU with AVX512-BF16 only), or int8 (weights quantized per
+# column, activations per row, sums exact in int32; native kernels on a CPU with AVX512-VNNI only).
+MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def check_matmul_dtype(matmul_dtype: str) -> None:

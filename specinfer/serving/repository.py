@@ -15,7 +15,7 @@ from pathlib import Path
 from string import Template
 
 from ..engines.loader import load_runtime, onnx_folder
-from ..engines.native import require_bf16_products
+from ..engines.native import require_products
 from ..engines.runtime import check_kv_dtype, check_matmul_dtype
 from ..engines.onnxruntime import read_manifest
 from ..errors import SpecInferError
@@ -109,7 +109,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
     ``kv_dtype``: the LLM's KV caches, float32 or float16 (ONNX Runtime's native kernels only; the
     SSMs keep float32 caches, small ones, which their drafter node reads). ``matmul_dtype``: the
-    LLM's matrix products, float32 or bfloat16 (native kernels on a CPU with AVX512-BF16 only).
+    LLM's matrix products, float32, bfloat16 or int8 (native kernels on a CPU with AVX512-BF16 or
+    AVX512-VNNI only).
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
     model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);
@@ -132,8 +133,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
         raise SpecInferError(f"the metrics interval must be >= 0 seconds, got {metrics_seconds}")
     check_kv_dtype(kv_dtype)
     check_matmul_dtype(matmul_dtype)
-    if matmul_dtype == "bfloat16" and engines is None:   # refused here, not in a Triton model's stub
-        require_bf16_products()
+    if engines is None:   # refused here, not in a Triton model's stub
+        require_products(matmul_dtype)
     dynamic = parse_tree(tree) is None
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not is_repository(out):
