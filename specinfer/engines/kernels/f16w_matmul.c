@@ -398,70 +398,49 @@ static void run_swiglu_panel(void *data, size_t panel) {
 /* The twelve ops: MatMulF16W and MatMulF16WSwiGLU, each with the RMSNorm before it
  * (SkipRMSNormMatMulF16W, SkipRMSNormMatMulF16WSwiGLU: inputs x, skip, gamma [K], epsilon [1], W;
  * outputs the product of RMSNorm(x + skip) * gamma and x + skip), and the same four on bfloat16
- * (MatMulBF16, ...) and on int8 (MatMulI8, ...: W's scales and sums an input after W). The norm op they replace, SkipSimplifiedLayerNormalization, was 12 kernels a
- * step of the embedded LLM: without them the step is 1-5% faster (ONNX Runtime costs ~0.35 us a
- * kernel, ~1 us more with a pool hand-off). */
-#define COMPUTE(fn, task, columns, normed, weights, name) \
-    static OrtStatus *fn(void *k, OrtKernelContext *ctx) { (void)k; return product(ctx, task, columns, normed, weights, name); }
-COMPUTE(compute, run_panel, PANEL, 0, 0, "MatMulF16W")
-COMPUTE(compute_swiglu, run_swiglu_panel, PANEL / 2, 0, 0, "MatMulF16WSwiGLU")
-COMPUTE(compute_normed, run_panel, PANEL, 1, 0, "SkipRMSNormMatMulF16W")
-COMPUTE(compute_normed_swiglu, run_swiglu_panel, PANEL / 2, 1, 0, "SkipRMSNormMatMulF16WSwiGLU")
-COMPUTE(compute_bf16, run_panel, PANEL, 0, 1, "MatMulBF16")
-COMPUTE(compute_bf16_swiglu, run_swiglu_panel, PANEL / 2, 0, 1, "MatMulBF16SwiGLU")
-COMPUTE(compute_bf16_normed, run_panel, PANEL, 1, 1, "SkipRMSNormMatMulBF16")
-COMPUTE(compute_bf16_normed_swiglu, run_swiglu_panel, PANEL / 2, 1, 1, "SkipRMSNormMatMulBF16SwiGLU")
-COMPUTE(compute_i8, run_panel, PANEL, 0, 2, "MatMulI8")
-COMPUTE(compute_i8_swiglu, run_swiglu_panel, PANEL / 2, 0, 2, "MatMulI8SwiGLU")
-COMPUTE(compute_i8_normed, run_panel, PANEL, 1, 2, "SkipRMSNormMatMulI8")
-COMPUTE(compute_i8_normed_swiglu, run_swiglu_panel, PANEL / 2, 1, 2, "SkipRMSNormMatMulI8SwiGLU")
+ * (MatMulBF16, ...) and on int8 (MatMulI8, ...: W's scales and sums an input after W). The norm
+ * op they replace, SkipSimplifiedLayerNormalization, was 12 kernels a step of the embedded LLM:
+ * without them the step is 1-5% faster (ONNX Runtime costs ~0.35 us a kernel, ~1 us more with a
+ * pool hand-off). */
 static void compute_v1(void *kernel, OrtKernelContext *ctx) { (void)kernel; (void)ctx; }   /* never called: V2 is set */
-
-#define NAME(fn, name) static const char *fn(const OrtCustomOp *op) { (void)op; return name; }
-NAME(op_name, "MatMulF16W")
-NAME(swiglu_name, "MatMulF16WSwiGLU")
-NAME(normed_name, "SkipRMSNormMatMulF16W")
-NAME(normed_swiglu_name, "SkipRMSNormMatMulF16WSwiGLU")
-NAME(bf16_name, "MatMulBF16")
-NAME(bf16_swiglu_name, "MatMulBF16SwiGLU")
-NAME(bf16_normed_name, "SkipRMSNormMatMulBF16")
-NAME(bf16_normed_swiglu_name, "SkipRMSNormMatMulBF16SwiGLU")
-NAME(i8_name, "MatMulI8")
-NAME(i8_swiglu_name, "MatMulI8SwiGLU")
-NAME(i8_normed_name, "SkipRMSNormMatMulI8")
-NAME(i8_normed_swiglu_name, "SkipRMSNormMatMulI8SwiGLU")
-static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_FLOAT16; }
-static int bf16_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_BFLOAT16; }
-static size_t inputs(const OrtCustomOp *op) { (void)op; return 2; }
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t outputs(const OrtCustomOp *op) { (void)op; return 1; }
-static int normed_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 4 ? TYPE_FLOAT16 : TYPE_FLOAT; }
-static int bf16_normed_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 4 ? TYPE_BFLOAT16 : TYPE_FLOAT; }
-static size_t normed_inputs(const OrtCustomOp *op) { (void)op; return 5; }
 static size_t normed_outputs(const OrtCustomOp *op) { (void)op; return 2; }
-static int i8_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? TYPE_INT8 : TYPE_FLOAT; }
-static size_t i8_inputs(const OrtCustomOp *op) { (void)op; return 3; }   /* A, W, W's scales and sums */
-static int i8_normed_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 4 ? TYPE_INT8 : TYPE_FLOAT; }
-static size_t i8_normed_inputs(const OrtCustomOp *op) { (void)op; return 6; }
+/* Inputs: A then W (int8: then W's scales and sums); normed: x, skip, gamma, epsilon, then W (and
+ * its scales). Every input float32 but W. */
+#define INPUTS(kind, w_type, n)                                                                             \
+    static int kind##_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? w_type : TYPE_FLOAT; } \
+    static int kind##_normed_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 4 ? w_type : TYPE_FLOAT; } \
+    static size_t kind##_inputs(const OrtCustomOp *op) { (void)op; return n; }                             \
+    static size_t kind##_normed_inputs(const OrtCustomOp *op) { (void)op; return n + 3; }
 
 #define F16W_OP(name_fn, in_type, n_in, n_out, compute_fn)                                                         \
     {API_VERSION, stateless_kernel, name_fn, op_cpu, in_type, n_in, output_type, n_out, compute_v1, op_destroy,  \
      op_required, op_required, op_default_memory, op_arity, op_homogeneous, op_arity, op_homogeneous,            \
      stateless_kernel_v2, compute_fn, NULL, op_start_version, op_end_version, NULL, NULL, NULL, NULL}
-OrtCustomOp matmul_f16w_op = F16W_OP(op_name, input_type, inputs, outputs, compute);
-OrtCustomOp matmul_f16w_swiglu_op = F16W_OP(swiglu_name, input_type, inputs, outputs, compute_swiglu);
-OrtCustomOp normed_matmul_f16w_op = F16W_OP(normed_name, normed_input_type, normed_inputs, normed_outputs, compute_normed);
-OrtCustomOp normed_matmul_f16w_swiglu_op =
-    F16W_OP(normed_swiglu_name, normed_input_type, normed_inputs, normed_outputs, compute_normed_swiglu);
-OrtCustomOp matmul_bf16_op = F16W_OP(bf16_name, bf16_input_type, inputs, outputs, compute_bf16);
-OrtCustomOp matmul_bf16_swiglu_op = F16W_OP(bf16_swiglu_name, bf16_input_type, inputs, outputs, compute_bf16_swiglu);
-OrtCustomOp normed_matmul_bf16_op =
-    F16W_OP(bf16_normed_name, bf16_normed_input_type, normed_inputs, normed_outputs, compute_bf16_normed);
-OrtCustomOp normed_matmul_bf16_swiglu_op =
-    F16W_OP(bf16_normed_swiglu_name, bf16_normed_input_type, normed_inputs, normed_outputs, compute_bf16_normed_swiglu);
-OrtCustomOp matmul_i8_op = F16W_OP(i8_name, i8_input_type, i8_inputs, outputs, compute_i8);
-OrtCustomOp matmul_i8_swiglu_op = F16W_OP(i8_swiglu_name, i8_input_type, i8_inputs, outputs, compute_i8_swiglu);
-OrtCustomOp normed_matmul_i8_op =
-    F16W_OP(i8_normed_name, i8_normed_input_type, i8_normed_inputs, normed_outputs, compute_i8_normed);
-OrtCustomOp normed_matmul_i8_swiglu_op =
-    F16W_OP(i8_normed_swiglu_name, i8_normed_input_type, i8_normed_inputs, normed_outputs, compute_i8_normed_swiglu);
+
+/* One op: its compute function (``product`` with its task, columns, norm and weights' type), its
+ * name and the OrtCustomOp ``var`` register.c adds. */
+#define PRODUCT_OP(var, fn, name, task, columns, normed, weights, in_type, n_in, n_out)                        \
+    static OrtStatus *fn(void *k, OrtKernelContext *ctx) {                                                  \
+        (void)k;                                                                                           \
+        return product(ctx, task, columns, normed, weights, name);                                         \
+    }                                                                                                      \
+    static const char *fn##_name(const OrtCustomOp *op) { (void)op; return name; }                          \
+    OrtCustomOp var = F16W_OP(fn##_name, in_type, n_in, n_out, fn);
+
+/* The four ops of one weights' type. */
+#define PRODUCT_OPS(kind, op, weights, w_type, n_in)                                                              \
+    INPUTS(kind, w_type, n_in)                                                                                    \
+    PRODUCT_OP(matmul_##kind##_op, compute_##kind, op, run_panel, PANEL, 0, weights, kind##_input_type,           \
+               kind##_inputs, outputs)                                                                            \
+    PRODUCT_OP(matmul_##kind##_swiglu_op, compute_##kind##_swiglu, op "SwiGLU", run_swiglu_panel, PANEL / 2, 0,    \
+               weights, kind##_input_type, kind##_inputs, outputs)                                                \
+    PRODUCT_OP(normed_matmul_##kind##_op, compute_##kind##_normed, "SkipRMSNorm" op, run_panel, PANEL, 1, weights, \
+               kind##_normed_input_type, kind##_normed_inputs, normed_outputs)                                    \
+    PRODUCT_OP(normed_matmul_##kind##_swiglu_op, compute_##kind##_normed_swiglu, "SkipRMSNorm" op "SwiGLU",         \
+               run_swiglu_panel, PANEL / 2, 1, weights, kind##_normed_input_type, kind##_normed_inputs, normed_outputs)
+
+PRODUCT_OPS(f16w, "MatMulF16W", WEIGHTS_F16, TYPE_FLOAT16, 2)
+PRODUCT_OPS(bf16, "MatMulBF16", WEIGHTS_BF16, TYPE_BFLOAT16, 2)
+PRODUCT_OPS(i8, "MatMulI8", WEIGHTS_I8, TYPE_INT8, 3)
