@@ -54,6 +54,8 @@ NORMED_OPS = {OP: "SkipRMSNormMatMulF16W", SWIGLU_OP: "SkipRMSNormMatMulF16WSwiG
 BF16_OPS = {OP: "MatMulBF16", SWIGLU_OP: "MatMulBF16SwiGLU"}
 I8_OPS = {OP: "MatMulI8", SWIGLU_OP: "MatMulI8SwiGLU"}
 PRODUCT_OPS = {"float16": {OP: OP, SWIGLU_OP: SWIGLU_OP}, "bfloat16": BF16_OPS, "int8": I8_OPS}   # by weights' type
+PRODUCTS_OF = {ops[OP]: products for products, ops in PRODUCT_OPS.items()}   # a product op's weights' type
+K_GROUPS = {"float16": 1, "bfloat16": 2, "int8": 4}   # k a packed weight's lane holds (pack_group_panels)
 NORMED_OPS |= {ops[op]: f"SkipRMSNorm{ops[op]}" for ops in (BF16_OPS, I8_OPS) for op in (OP, SWIGLU_OP)}
 # The CPU flag each reduced product type's instructions need: VDPBF16PS and VCVTNEPS2BF16; VPDPBUSD.
 PRODUCT_CPU_FLAGS = {"bfloat16": "avx512_bf16", "int8": "avx512_vnni"}
@@ -260,13 +262,30 @@ def packed_weight(weights: np.ndarray, products: str, name: str) -> list | None:
     from onnx import numpy_helper
 
     if products == "bfloat16":
-        return [bf16_initializer(pack_pair_panels(bf16_bits(weights)), name)]
+        return [_panels_initializer(pack_pair_panels(bf16_bits(weights)), products, name)]
     if products == "int8":
         q, scale = quantize_columns(weights)
-        return [numpy_helper.from_array(pack_group_panels(q, 4), name),
+        return [_panels_initializer(pack_group_panels(q, K_GROUPS[products]), products, name),
                 numpy_helper.from_array(i8_scales(q, scale), name + SCALES)]
     half = f16_exact(weights)
     return None if half is None else [numpy_helper.from_array(pack_panels(half), name)]
+
+
+def _panels_initializer(panels: np.ndarray, products: str, name: str):
+    """Packed panels as an ONNX initializer of the ``products`` kernels' weight type (bfloat16 bits
+    as BFLOAT16, which numpy has not)."""
+    from onnx import numpy_helper
+
+    return bf16_initializer(panels, name) if products == "bfloat16" else numpy_helper.from_array(panels, name)
+
+
+def _panels_of(init, products: str) -> np.ndarray:
+    """The packed panels an initializer of :func:`_panels_initializer` holds."""
+    from onnx import numpy_helper
+
+    if products == "bfloat16":
+        return np.frombuffer(init.raw_data, np.uint16).reshape(init.dims)
+    return numpy_helper.to_array(init)
 
 
 def swiglu_columns(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -302,7 +321,7 @@ def use_swiglu(model, packed: dict[str, object]):
     inits = {init.name: init for init in model.graph.initializer}
     fused = {}   # index of the MatMul -> (the fused node, the indices of the nodes it replaces)
     for index, node in enumerate(nodes):
-        products = next((t for t, ops in PRODUCT_OPS.items() if ops[OP] == node.op_type), None)
+        products = PRODUCTS_OF.get(node.op_type)
         if products is None or node.domain != DOMAIN or node.input[1] not in inits:
             continue
         split = only_reader(node.output[0], "Split")
@@ -324,12 +343,10 @@ def use_swiglu(model, packed: dict[str, object]):
             continue
         name = f"{node.input[1]}.swiglu"
         if name not in packed:   # the same weights, their columns reordered
-            init = inits[node.input[1]]   # [Wg | Wu] packed
-            group = {"float16": 1, "bfloat16": 2, "int8": 4}[products]
-            w = (np.frombuffer(init.raw_data, np.uint16).reshape(init.dims) if products == "bfloat16"
-                 else numpy_helper.to_array(init))
-            w = pack_group_panels(swiglu_columns(*np.split(unpack_panels(w, group), 2, axis=1)), group)
-            packed[name] = [bf16_initializer(w, name) if products == "bfloat16" else numpy_helper.from_array(w, name)]
+            group = K_GROUPS[products]
+            w = unpack_panels(_panels_of(inits[node.input[1]], products), group)   # [Wg | Wu]
+            packed[name] = [_panels_initializer(pack_group_panels(swiglu_columns(*np.split(w, 2, axis=1)), group),
+                                                products, name)]
             if products == "int8":   # its scales and sums, their columns reordered alike
                 scales = numpy_helper.to_array(inits[node.input[2]])
                 packed[name].append(numpy_helper.from_array(swiglu_columns(*np.split(scales, 2, axis=1)), name + SCALES))

@@ -66,17 +66,17 @@ typedef struct {
 } Product;
 
 /* Rows [0, rows) of A (rows <= ROWS) times one panel, with the row count a constant (unrolled). */
-#define BY_ROWS(kernel, A, K, P, C, N, rows)          \
-    switch (rows) {                                    \
-        case 6: kernel(A, K, P, C, N, 6); break;       \
-        case 5: kernel(A, K, P, C, N, 5); break;       \
-        case 4: kernel(A, K, P, C, N, 4); break;       \
-        case 3: kernel(A, K, P, C, N, 3); break;       \
-        case 2: kernel(A, K, P, C, N, 2); break;       \
-        default: kernel(A, K, P, C, N, 1); break;      \
+#define BY_ROWS(kernel, rows, ...)                 \
+    switch (rows) {                                \
+        case 6: kernel(__VA_ARGS__, 6); break;     \
+        case 5: kernel(__VA_ARGS__, 5); break;     \
+        case 4: kernel(__VA_ARGS__, 4); break;     \
+        case 3: kernel(__VA_ARGS__, 3); break;     \
+        case 2: kernel(__VA_ARGS__, 2); break;     \
+        default: kernel(__VA_ARGS__, 1); break;    \
     }
 static void block_rows(const float *A, size_t K, const uint16_t *P, float *C, size_t N, int rows) {
-    BY_ROWS(panel_rows, A, K, P, C, N, rows)
+    BY_ROWS(panel_rows, rows, A, K, P, C, N)
 }
 
 /* The bfloat16 products (MatMulBF16 and the three ops beside it): A rounded to bfloat16 (to
@@ -115,7 +115,7 @@ BF16 static inline void bf16_panel_rows(const uint32_t *A, size_t K2, const uint
 }
 
 BF16 static void bf16_block_rows(const uint32_t *A, size_t K2, const uint16_t *P, float *C, size_t N, int rows) {
-    BY_ROWS(bf16_panel_rows, A, K2, P, C, N, rows)
+    BY_ROWS(bf16_panel_rows, rows, A, K2, P, C, N)
 }
 
 /* Rows of float32 as bfloat16 pairs (round to nearest even, as VCVTNEPS2BF16 rounds), an odd K's
@@ -187,18 +187,9 @@ I8 static inline __attribute__((always_inline)) void i8_panel_rows(const uint32_
     I8_STORE(0) I8_STORE(1) I8_STORE(2) I8_STORE(3) I8_STORE(4) I8_STORE(5)
 }
 
-#define I8_ROWS(kernel, A, K4, P, scale, sum, rs, C, N, rows)   \
-    switch (rows) {                                             \
-        case 6: kernel(A, K4, P, scale, sum, rs, C, N, 6); break; \
-        case 5: kernel(A, K4, P, scale, sum, rs, C, N, 5); break; \
-        case 4: kernel(A, K4, P, scale, sum, rs, C, N, 4); break; \
-        case 3: kernel(A, K4, P, scale, sum, rs, C, N, 3); break; \
-        case 2: kernel(A, K4, P, scale, sum, rs, C, N, 2); break; \
-        default: kernel(A, K4, P, scale, sum, rs, C, N, 1); break; \
-    }
 I8 static void i8_block_rows(const uint32_t *A, size_t K4, const int8_t *P, const float *scale, const float *sum,
                              const float *row_scale, float *C, size_t N, int rows) {
-    I8_ROWS(i8_panel_rows, A, K4, P, scale, sum, row_scale, C, N, rows)
+    BY_ROWS(i8_panel_rows, rows, A, K4, P, scale, sum, row_scale, C, N)
 }
 
 /* Rows of float32 quantized as above, q + 128 a byte, four k a word; K padded to a multiple of 4
