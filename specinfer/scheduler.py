@@ -28,8 +28,8 @@ grow as the sequence does (``specinfer_kv_bytes`` is what they hold). A request 
 waits (at most ``max_waiting`` of them, each at most ``wait_seconds``), or is refused with an error
 that says why: it never takes memory from a running request.
 
-Memory the models keep for batches (the LLM's session per batch size, each with its own copy of
-the weights) is given back once no request has run for ``idle_seconds``, with the heap's free
+Memory the models keep for batches (the LLM's session per batch size, each with its own arena;
+the weights are one copy for all) is given back once no request has run for ``idle_seconds``, with the heap's free
 pages, so that an idle server's memory goes back to what it was at load.
 """
 from __future__ import annotations
@@ -449,8 +449,8 @@ class Scheduler:
 
 def _return_free_heap() -> None:
     """Hand the C heap's free pages back to the system. glibc keeps them otherwise: measured on the
-    embedded LLM, a session for every batch size took the process from 123 to 612 MB; dropping
-    them left 274 MB, and this then 129 MB."""
+    embedded LLM when each session had its own copy of the weights, a session for every batch size
+    took the process from 123 to 612 MB; dropping them left 274 MB, and this then 129 MB."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):   # not glibc: its allocator keeps its own counsel

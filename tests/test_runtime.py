@@ -237,6 +237,40 @@ def test_a_trim_keeps_open_sequences_exact_and_gives_new_ones_new_sessions(expor
     assert all(np.array_equal(a, b) for a, b in zip(kept, trimmed, strict=True))
 
 
+def test_every_session_of_a_runtime_reads_one_copy_of_its_weights(exported, monkeypatch):
+    """The single-sequence, batched and drafter sessions are given the runtime's weights, one copy
+    for all (ONNX Runtime reads them where the runtime keeps them): a change to that copy reaches
+    every session, those opened before it and after."""
+    import specinfer.engines.onnxruntime as ort_runtime
+
+    monkeypatch.setattr(ort_runtime, "SHARED_MIN_VALUES", 1024)   # the test model's weights are small
+    rt = OrtRuntime(exported["llama3"])
+    seqs = [rt.start() for _ in range(3)]
+    for seq in seqs:
+        rt.prefill(seq, PROMPT)
+
+    def run(batch: int) -> list:
+        out = []
+        for token in (5, 6):
+            out.append(rt.score(seqs[0], [token]))
+            rt.commit(seqs[0], [])
+        out += rt.score_batch([(seq, [5 + i], None) for i, seq in enumerate(seqs[:batch])])
+        for seq in seqs:
+            rt.commit(seq, [])
+        draft = rt.draft_chain(seqs[0], [5], rt.draft_depth)
+        rt.commit(seqs[0], [])
+        return out + [np.array(draft.probability)]
+
+    before = run(2)
+    shared = {key[0]: array for key, (array, _) in rt._shared.items()}
+    assert "embed_tokens" in shared and len(rt._shared) == len(shared)   # one copy of each weight
+    shared["embed_tokens"][...] = 0          # every token's hidden state 0: the same logits for all
+    after = run(2) + run(3)[2:5]             # the batch of 3's session opened now
+    assert len(rt._shared) == len(shared)
+    assert all(not np.allclose(a, b) for a, b in zip(before, after))
+    assert np.array_equal(after[0], after[1]) and np.array_equal(after[2][0], after[3][0])
+
+
 def test_a_sequence_keeps_its_slot_in_a_batched_session(exported, monkeypatch):
     """A batched session binds only the caches new to it: a sequence keeps the slot it had, in
     whatever order the calls come, a new one takes a leaver's slot and the spare slots keep the

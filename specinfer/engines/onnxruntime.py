@@ -26,7 +26,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import SpecInferError
 from ..export.draft_vocab import read_draft_vocab
-from ..export.ort_lowering import LOGIT_ROWS
+from ..export.ort_lowering import LOGIT_ROWS, WEIGHTS
 from . import native
 from .runtime import ChainDraft, Runtime, SequenceState, check_kv_dtype, check_matmul_dtype
 
@@ -77,7 +77,7 @@ def session_options(threads: int | None):
 
 
 def open_session(model: "str | Path | bytes", threads: int | None = None, weights_dir: Path | None = None,
-                 libraries: Sequence[Path] = ()):
+                 libraries: Sequence[Path] = (), initializers: "dict[str, object] | None" = None):
     """An ONNX Runtime CPU session with :func:`session_options`. Every session specinfer makes goes
     through these options: once the process's shared pool exists, ONNX Runtime refuses any session
     with a pool of its own (another library's sessions in the same process then need
@@ -90,6 +90,8 @@ def open_session(model: "str | Path | bytes", threads: int | None = None, weight
         options.register_custom_ops_library(str(library))
     if weights_dir is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
     return ort.InferenceSession(str(model) if isinstance(model, Path) else model, options,
                                 providers=["CPUExecutionProvider"])
 
@@ -157,12 +159,19 @@ class OrtRuntime(Runtime):
     for all their tokens. One such session is made per size in :data:`BATCH_SIZES`, on first use
     (~0.1 s); a batch runs on the smallest that holds it, the spare slots given one token each on
     a scratch cache (~0.4 ms a slot). Every session prepacks its weights as the single-sequence
-    one does, which costs a copy of the weights per session (measured: +48 MB each for the
-    embedded LLM) but keeps a sequence's logits bit for bit what it gets alone (MLAS's prepacked
+    one does, which keeps a sequence's logits bit for bit what it gets alone (MLAS's prepacked
     GEMM computes a row the same way whatever the other rows; unpacked, logits differed by 1e-5,
     enough to flip a near tie under greedy decoding); and unpacked, a run repacks every weight,
     which doubled a batch of 4 trees of 4 (11.1 ms against 6.2). :meth:`trim` drops them (the
-    scheduler does, once idle)."""
+    scheduler does, once idle).
+
+    The weights are one copy for all the sessions (:meth:`_share_weights`): the native kernels'
+    packed weights, the embeddings and whatever else is large, given to each session as ONNX
+    Runtime initializers it reads in place. A session of its own copy cost the embedded LLM 48-56
+    MB each (625 MB with a session for 7 batch sizes and the drafter, now 199 MB; int8 products
+    397 -> 172 MB), and a step read weights other sessions had left out of the cache: an LLM
+    chain of 8 after a tree 2.0 ms, against 1.7 back to back (now 1.7 both; `/tmp/s53/switch.py`).
+    Only MLAS's own prepacked copies stay per session (a MatMul the native kernels do not take)."""
 
     slot_axis = 3               # kv[layer, K|V, kv_head, slot, head_dim]
     initial_slots = 64          # a sequence's buffer doubles from here as it grows
@@ -196,6 +205,8 @@ class OrtRuntime(Runtime):
         self.matmul_dtype = matmul_dtype
         # The native products' weights: float16 where the stored ones are exactly float16 (float32 products)
         self._products = "float16" if matmul_dtype == "float32" else matmul_dtype
+        # (weight name, shape, ONNX type) -> (its values, an OrtValue of them) for every session
+        self._shared: dict[tuple, tuple[np.ndarray, object]] = {}
         self._f16_weights: dict[str, object] = {}   # weight name + suffix -> packed for the native MatMuls, or None
         self._draft_panels: dict[str, object] = {}  # weight name -> packed for the native drafter
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
@@ -239,8 +250,50 @@ class OrtRuntime(Runtime):
                 raise SpecInferError(f"{self.dir}: this model's attention cannot run on float16 KV caches; use float32")
         ops = native.native_ops(graph)
         self.native_ops |= ops
+        graph, shared = self._share_weights(graph)
         return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,
-                            libraries=[library] if ops else [])
+                            libraries=[library] if ops else [], initializers=shared)
+
+    def _share_weights(self, graph):
+        """``graph`` with its large initializers as placeholders (no data), and those initializers
+        as OrtValues, one per weight for all this runtime's sessions (ONNX Runtime's
+        ``add_initializer``: each session reads the runtime's copy in place). A weight is known by
+        its name, shape and type, which name the same values in every rewrite of the export's
+        graphs (the batched, the drafters, the native kernels' packing of one weight)."""
+        import onnx
+        import onnxruntime as ort
+        from onnx import numpy_helper
+
+        values, placeholders = {}, []
+        end = (self.dir / WEIGHTS).stat().st_size
+        for init in graph.graph.initializer:
+            if int(np.prod(init.dims)) < SHARED_MIN_VALUES:
+                continue
+            key = (init.name, tuple(init.dims), init.data_type)
+            if key not in self._shared:
+                array = numpy_helper.to_array(init, base_dir=str(self.dir))
+                if array.dtype.name == "bfloat16":   # ml_dtypes' type, which ONNX Runtime takes as its bits
+                    array = array.view(np.uint16)
+                array = _aligned_copy(array)
+                self._shared[key] = (array, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, init.data_type))
+            values[init.name] = self._shared[key][1]
+            array_bytes = self._shared[key][0].nbytes
+            placeholder = onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
+                                           data_location=onnx.TensorProto.EXTERNAL)
+            # ONNX Runtime checks that the file exists, and reads nothing of it for an initializer
+            # given to the session; should anything read it, it reads past the file's end: an error,
+            # never another weight's bytes.
+            for field, text in (("location", WEIGHTS), ("offset", str(end)), ("length", str(array_bytes))):
+                placeholder.external_data.add(key=field, value=text)
+            placeholders.append(placeholder)
+        if not values:
+            return graph, values
+        out = onnx.ModelProto()
+        out.CopyFrom(graph)
+        kept = [init for init in out.graph.initializer if init.name not in values]
+        del out.graph.initializer[:]
+        out.graph.initializer.extend(kept + placeholders)
+        return out, values
 
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
@@ -511,12 +564,13 @@ class OrtRuntime(Runtime):
         return sorted(self._draft_batches)
 
     def trim(self) -> None:
-        """Drop the batched sessions (each holds a prepacked copy of the weights: 48 MB for the
-        embedded LLM) and the spare slots' cache; the next batch of a size opens its session again
-        (~0.1 s). The single-sequence session is opened again and the drafter's dropped: a
-        session's memory arena keeps the most its largest run needed (measured: the embedded LLM's
-        held ~200 MB more after 16 streams of the embedded prompts). A sequence open meanwhile
-        goes on with the sessions it was bound to (its bindings hold them) until it ends."""
+        """Drop the batched sessions (each holds its memory arena, and MLAS's prepacked copy of
+        any weight the native kernels do not take) and the spare slots' cache; the next batch of
+        a size opens its session again (~0.1 s). The single-sequence session is opened again and
+        the drafter's dropped: a session's memory arena keeps the most its largest run needed
+        (measured: the embedded LLM's held ~200 MB more after 16 streams of the embedded
+        prompts). A sequence open meanwhile goes on with the sessions it was bound to (its
+        bindings hold them) until it ends. The shared weights stay (:meth:`_share_weights`)."""
         self._batched.clear()
         self._scratch = None
         self.session = self._open(self._lowered)
@@ -525,8 +579,20 @@ class OrtRuntime(Runtime):
         self._draft_scratch = None
 
 
+def _aligned_copy(array: np.ndarray, alignment: int = 64) -> np.ndarray:
+    """``array`` copied to memory that starts on a cache line, as ONNX Runtime places the
+    initializers it loads itself (numpy's own allocations are 16-byte aligned)."""
+    buffer = np.empty(array.nbytes + alignment, np.uint8)
+    start = -buffer.ctypes.data % alignment
+    out = buffer[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+SHARED_MIN_VALUES = 16384   # initializers this large are one copy for all of a runtime's sessions
+
 # Batch sizes with a session of their own (a batch runs on the smallest that holds it; a larger
-# one in chunks of the largest): each costs a prepacked copy of the weights once used.
+# one in chunks of the largest): each costs its arena once used (the weights are shared).
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
