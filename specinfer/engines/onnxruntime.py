@@ -170,7 +170,8 @@ class OrtRuntime(Runtime):
     Runtime initializers it reads in place. A session of its own copy cost the embedded LLM 48-56
     MB each (625 MB with a session for 7 batch sizes and the drafter, now 199 MB; int8 products
     397 -> 172 MB), and a step read weights other sessions had left out of the cache: an LLM
-    chain of 8 after a tree 2.0 ms, against 1.7 back to back (now 1.7 both; `/tmp/s53/switch.py`).
+    chain of 8 after a tree 2.10 ms, against 1.85 after a chain (now 1.74 and 1.72;
+    `/tmp/s53/switch.py`).
     Only MLAS's own prepacked copies stay per session (a MatMul the native kernels do not take)."""
 
     slot_axis = 3               # kv[layer, K|V, kv_head, slot, head_dim]
