@@ -29,8 +29,8 @@ waits (at most ``max_waiting`` of them, each at most ``wait_seconds``), or is re
 that says why: it never takes memory from a running request.
 
 Memory the models keep for batches (the LLM's session per batch size, each with its own arena;
-the weights are one copy for all) is given back once no request has run for ``idle_seconds``, with the heap's free
-pages, so that an idle server's memory goes back to what it was at load.
+the weights are one copy for all) is given back once no request has run for ``idle_seconds``,
+with the heap's free pages, so that an idle server's memory goes back to what it was at load.
 """
 from __future__ import annotations
 
