@@ -112,8 +112,8 @@ def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Se
 
 
 def _warm_batches(runtime: Runtime, most: int) -> None:
-    """One LLM run of every batch size up to ``most`` sequences: an engine may open a session for a
-    batch size at its first run (ONNX Runtime here: ~0.1 s each), which the warm-up requests do not
+    """One LLM run of every batch size up to ``most`` sequences, scoring and drafting chains: an
+    engine may open a session for a batch size at its first run (ONNX Runtime here: ~0.1 s each), which the warm-up requests do not
     all reach. Untimed, a run of 16 streams charged up to 0.6 s of them to whichever contender ran
     first."""
     seqs = [runtime.start() for _ in range(most)]
@@ -124,6 +124,10 @@ def _warm_batches(runtime: Runtime, most: int) -> None:
             runtime.score_batch([(seq, [0], None) for seq in seqs[:n]])
             for seq in seqs[:n]:
                 runtime.commit(seq, [])
+            if runtime.draft_depth > 1:   # greedy incremental requests' chains (Scheduler._run_chained)
+                runtime.draft_chains([(seq, [0], runtime.draft_depth, None) for seq in seqs[:n]])
+                for seq in seqs[:n]:
+                    runtime.commit(seq, [])
     finally:
         for seq in seqs:
             runtime.release(seq)

@@ -176,8 +176,8 @@ class LocalSpeculator:
         # Only whole runs of draft_depth: a run of another depth is another session, which costs
         # the embedded LLM ~280 ms to open and 50 MB (its weights prepacked again), so the steps
         # left at the end of a request (or of the context) are taken one a run.
-        self.chained = (not ssms and not lookup and params.greedy and llm.draft_depth > 1
-                        and llm.draft_vocab is None)
+        self.can_chain = params.greedy and llm.draft_depth > 1 and llm.draft_vocab is None
+        self.chained = self.can_chain and not ssms and not lookup
         self.wanted = max_new_tokens   # tokens still wanted (None: unknown)
 
     def start(self, prefix: list[int]) -> None:
@@ -195,24 +195,41 @@ class LocalSpeculator:
         self.stats.ssm_seconds += time.perf_counter() - t0
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
-        if self.chained:
-            depth = self.llm.draft_depth
-            if depth <= min(budget, self.wanted or budget):
-                return self._chained_step(root, depth)
+        depth = self.chain_depth(budget)
+        if depth is not None:
+            start = time.perf_counter()
+            chain = self.llm.draft_chain(self.seq, [root], depth).tokens
+            return self.settle_chain(root, chain, time.perf_counter() - start)
         tree = self.propose(root, budget)
         start = time.perf_counter()
         logits = self.llm.score(self.seq, tree.tokens, tree.parents)
         return self.settle(tree, logits, time.perf_counter() - start)
 
-    def _chained_step(self, root: int, depth: int) -> tuple[list[int], int]:
-        """``depth`` tokens of greedy incremental decoding in one LLM run, all of them kept: the
-        root and every token but the last committed, the last the next root."""
+    def chain_depth(self, budget: int, share: int | None = None) -> int | None:
+        """Tokens the next step takes in one LLM run of greedy incremental decoding (the LLM's
+        :meth:`~specinfer.engines.runtime.Runtime.draft_chain` from the root), or None where it
+        verifies a tree (or takes one token). ``budget``: the nodes the step may take (the
+        context's room included); ``share``: the tree nodes a scheduler's batch leaves it, where
+        1 means no draft: then a greedy request that drafts chains too, its drafters catching up
+        on the chain at their next draft."""
+        if self.chained or (self.can_chain and share is not None and share <= 1):
+            depth = self.llm.draft_depth
+            if depth <= min(budget, self.wanted or budget):
+                return depth
+        return None
+
+    def settle_chain(self, root: int, chain: list[int], llm_seconds: float) -> tuple[list[int], int]:
+        """Keep a chain of greedy incremental decoding the LLM drafted from ``root`` (its tokens
+        pending but the last): the root and every token but the last committed, the last the next
+        root. A scheduler drafts many sequences' chains in one run (scheduler.py)."""
         start = time.perf_counter()
-        chain = self.llm.draft_chain(self.seq, [root], depth).tokens
-        self.llm.commit(self.seq, range(depth))
-        self.stats.llm_seconds += time.perf_counter() - start
-        self.wanted = self.wanted and self.wanted - depth
-        return [root] + chain[:-1], chain[-1]
+        self.llm.commit(self.seq, range(len(chain)))
+        self.stats.llm_seconds += llm_seconds + time.perf_counter() - start
+        self.wanted = self.wanted and self.wanted - len(chain)
+        path = [root] + chain[:-1]
+        if self.drafters or self.lookup:   # they learn it before their next draft (proposing)
+            self.last_path = self.last_path + path
+        return path, chain[-1]
 
     # A step in two halves, so that a scheduler can verify many sequences' trees in one LLM call
     # between them (scheduler.py): the step algorithm is these two whoever calls them.

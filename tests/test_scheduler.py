@@ -193,6 +193,56 @@ def test_tree_budget_shrinks_as_the_batch_grows(models):
         del scheduler.llm.score_batch
 
 
+@pytest.mark.parametrize("tree", ["dynamic", "2,1,1"])
+def test_requests_left_no_tree_take_chains_together_and_their_drafters_catch_up_exactly(models, tree):
+    """Where the batch's share leaves each request one node (no draft), greedy requests that draft
+    take several tokens a step, every sequence's in one LLM run of chains; once fewer run they draft
+    again, their SSMs and lookup caught up on the chains: the tokens are each request's alone."""
+    llm, ssms = models
+    chains, original = [], llm.draft_chains
+    llm.draft_chains = lambda calls: chains.append(len(calls)) or original(calls)
+    try:
+        scheduler = Scheduler(llm, ssms, batch_tree_tokens=4, gather_seconds=0.01)   # 8 requests: 1 node each
+        n = 40
+        got = run_together(scheduler, PROMPTS, n, tree=parse_tree(tree), lookup=tree == "dynamic")
+    finally:
+        del llm.draft_chains
+    assert got == [alone(llm, p, n) for p in PROMPTS]
+    assert max(chains) > 1                                 # many sequences' chains in one run
+    assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
+
+
+@pytest.mark.parametrize("tree", [None, [2, 1, 1]])
+def test_after_chained_steps_a_request_drafts_as_one_that_had_seen_every_token(models, tree):
+    """A drafting request's chains (the scheduler's, where it is left no tree) reach its SSMs and
+    lookup before their next draft: that draft is the one of a request prefilled with the prompt
+    and the chains' tokens."""
+    from specinfer.generate import LocalSpeculator
+
+    llm, ssms = models
+    prompt = PROMPTS[2]
+    chained = LocalSpeculator(llm, ssms, tree=tree, lookup=True)
+    chained.start(prompt[:-1])
+    root, seen = prompt[-1], list(prompt[:-1])
+    for _ in range(2):   # two chains in a row, as under load
+        depth = chained.chain_depth(budget=16, share=1)
+        assert depth == llm.draft_depth and chained.chain_depth(budget=16, share=4) is None
+        path, root = chained.settle_chain(root, llm.draft_chain(chained.seq, [root], depth).tokens, 0.0)
+        seen += path
+    fresh = LocalSpeculator(llm, ssms, tree=tree, lookup=True)
+    fresh.start(seen)
+    try:
+        a, b = chained.propose(root, 8), fresh.propose(root, 8)
+        assert len(a) > 1 and (a.tokens, a.parents) == (b.tokens, b.parents)
+        if tree is None:   # the dynamic tree drafts by lookup too
+            assert chained.lookup.tokens == fresh.lookup.tokens == seen
+        seen_by = lambda spec: [d.runtime.length(d.seq) + len(d.catch_up) for d in spec.drafters]   # in KV or to come
+        assert seen_by(chained) == seen_by(fresh) == [len(seen)] * len(ssms)
+    finally:
+        chained.release()
+        fresh.release()
+
+
 def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monkeypatch):
     """One request's verification raises mid-generation: it alone fails; the others finish
     exactly and nothing leaks."""
@@ -230,41 +280,49 @@ def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monke
 
 def test_long_prompts_go_in_by_chunks_while_others_step(models):
     """Chunked prefill: a prompt that arrives while other requests step goes into the LLM a chunk per
-    batch (no batch with steps in it takes more than the chunk of prompt tokens), and every output
-    is still what the request gives alone."""
+    batch (no batch with steps in it takes more than the chunk of prompt tokens for each token its
+    steps take: chains of several tokens, as incremental requests take, a chunk as many times),
+    and every output is still what the request gives alone."""
     llm, ssms = models
     chunk, long_prompts = 8, [[1] + list(range(200, 260)), [1] + list(range(100, 137))]
     scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01, prefill_chunk_tokens=chunk)
-    batches = []   # per LLM call: prompt tokens in it, and whether it verified steps too
-    original = llm.score_batch
+    batches = []   # per LLM scoring call: its batch, the prompt tokens in it, whether it verified steps too
+    chained = set()   # the batches that ran chains
+    score, chains = llm.score_batch, llm.draft_chains
 
     def spy(calls):
-        batches.append((sum(len(call[1]) for call in calls if call[2] is None),
+        batches.append((scheduler.batches, sum(len(call[1]) for call in calls if call[2] is None),
                         any(call[2] is not None for call in calls)))
-        return original(calls)
-    llm.score_batch = spy
+        return score(calls)
+
+    def chain_spy(calls):
+        chained.add(scheduler.batches)
+        return chains(calls)
+    llm.score_batch, llm.draft_chains = spy, chain_spy
+    n = 240
     try:
         got: dict = {}
 
         def late(i, prompt):
             # Once the short requests are stepping (a fixed sleep was flaky: on a fast machine they
-            # could all but finish their 120 one-token steps first), with 100 or more steps to go.
+            # could all but finish first), with 20 or more chains of 8 to go.
             deadline = time.monotonic() + 60
-            while scheduler.batches < 10 and time.monotonic() < deadline:
+            while scheduler.batches < 6 and time.monotonic() < deadline:
                 time.sleep(0.001)
             got[i] = [t for step in decode(scheduler.speculator(20, tree=[1, 1]), prompt, 20, [EOS]) for t in step]
         threads = [threading.Thread(target=late, args=(i, p)) for i, p in enumerate(long_prompts)]
         for t in threads:
             t.start()
-        short = run_together(scheduler, PROMPTS[:3], 120, tree=[], start_together=False)
+        short = run_together(scheduler, PROMPTS[:3], n, tree=[], start_together=False)
         for t in threads:
             t.join(120)
     finally:
-        llm.score_batch = original
-    assert short == [alone(llm, p, 120) for p in PROMPTS[:3]]
+        del llm.score_batch, llm.draft_chains
+    assert short == [alone(llm, p, n) for p in PROMPTS[:3]]
     assert [got[i] for i in range(2)] == [alone(llm, p, 20, ssms=ssms[:1], tree=[1, 1]) for p in long_prompts]
-    assert all(prompt <= chunk for prompt, steps in batches if steps)
-    assert any(prompt and steps for prompt, steps in batches)   # the prompts did go in beside steps
+    per_token = lambda batch: llm.draft_depth if batch in chained else 1
+    assert all(prompt <= chunk * per_token(batch) for batch, prompt, steps in batches if steps or batch in chained)
+    assert any(prompt and (steps or batch in chained) for batch, prompt, steps in batches)   # beside steps
     assert scheduler.prefill_chunks >= 3
     assert scheduler.reserved == 0 and llm.sequences() == []
 
