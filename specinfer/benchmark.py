@@ -113,9 +113,9 @@ def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Se
 
 def _warm_batches(runtime: Runtime, most: int) -> None:
     """One LLM run of every batch size up to ``most`` sequences, scoring and drafting chains: an
-    engine may open a session for a batch size at its first run (ONNX Runtime here: ~0.1 s each), which the warm-up requests do not
-    all reach. Untimed, a run of 16 streams charged up to 0.6 s of them to whichever contender ran
-    first."""
+    engine may open a session for a batch size at its first run (ONNX Runtime here: ~0.1 s each),
+    which the warm-up requests do not all reach. Untimed, a run of 16 streams charged up to 0.6 s
+    of them to whichever contender ran first."""
     seqs = [runtime.start() for _ in range(most)]
     try:
         for seq in seqs:

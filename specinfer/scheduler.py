@@ -12,8 +12,9 @@ to the scheduler's thread and wait. That thread takes whatever is ready, as one 
 (greedy requests that draft nothing, incremental ones or those the batch's share leaves no
 tree, take several tokens a step instead, all of them in one run of the LLM's drafter:
 :meth:`Scheduler._run_chained`), so the step algorithm is the one of
-:class:`~specinfer.generate.LocalSpeculator`, and requests join and leave between batches. A settled step's successor (from its bonus token) is queued at once,
-before the request's thread asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
+:class:`~specinfer.generate.LocalSpeculator`, and requests join and leave between batches. A
+settled step's successor (from its bonus token) is queued at once, before the request's thread
+asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
 not wait for the requests' threads to handle their tokens, and a request that then stops wastes
 that one step. Before it waits, the thread gives running sequences that have no step queued a
 moment (``gather_seconds``) to ask.
@@ -336,9 +337,9 @@ class Scheduler:
             return []
 
     def _run(self, jobs: list[_Job]) -> list[_Job]:
-        """One batch: the greedy steps that draft nothing in one LLM run of chains (:meth:`_run_chained`);
-        the others' drafts, one LLM call for every tree and prompt, verification of each. Returns
-        the starts whose prompts are not all in yet."""
+        """One batch: the greedy steps that draft nothing in one LLM run of chains
+        (:meth:`_run_chained`); the others' drafts, one LLM call for every tree and prompt,
+        verification of each. Returns the starts whose prompts are not all in yet."""
         for job in jobs:
             if job.spec.local is None:   # released while its job waited (an idle sequence reclaimed)
                 job.finish(error=SpecInferError("the sequence was released"))
