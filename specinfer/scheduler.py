@@ -384,15 +384,7 @@ class Scheduler:
                  else (j.spec.local.seq, chunks[id(j)], None, True) for j in live]   # a prompt: its last logits
         live, calls = [j for j, c in zip(live, calls) if len(c[1])], [c for c in calls if len(c[1])]
         started = time.perf_counter()
-        try:
-            outputs: list = self.llm.score_batch(calls) if calls else []
-        except Exception:  # noqa: BLE001 - find the call that fails: only its request fails
-            outputs = []
-            for call in calls:
-                try:
-                    outputs.append(self.llm.score_batch([call])[0])
-                except Exception as e:  # noqa: BLE001
-                    outputs.append(e)
+        outputs = _each_or_its_error(self.llm.score_batch, calls)
         seconds = time.perf_counter() - started
         self.seconds["draft"] += started - t0
         self.seconds["llm"] += seconds
@@ -440,15 +432,7 @@ class Scheduler:
         one token). A request that arrives meanwhile waits for that run (~8 tokens' time), then
         joins the next."""
         calls = [(job.spec.local.seq, [job.root], depth, None) for job, depth in steps]
-        try:
-            chains = [draft.tokens for draft in self.llm.draft_chains(calls)]
-        except Exception:  # noqa: BLE001 - find the request that fails: only it fails
-            chains = []
-            for call in calls:
-                try:
-                    chains.append(self.llm.draft_chains([call])[0].tokens)
-                except Exception as e:  # noqa: BLE001
-                    chains.append(e)
+        chains = _each_or_its_error(self.llm.draft_chains, calls)
         seconds = time.perf_counter() - t0
         self.seconds["llm"] += seconds
         verified = []
@@ -457,7 +441,7 @@ class Scheduler:
                 job.finish(error=chain)
                 continue
             try:
-                verified.append((job, job.spec.local.settle_chain(job.root, chain, seconds)))
+                verified.append((job, job.spec.local.settle_chain(job.root, chain.tokens, seconds)))
             except Exception as e:  # noqa: BLE001
                 job.finish(error=e)
         self._settle(verified)
@@ -477,6 +461,23 @@ class Scheduler:
                 left -= len(chunks[id(job)])
             self.prefill_chunks += bool(chunks[id(job)])
         return chunks
+
+
+def _each_or_its_error(run, calls: list) -> list:
+    """``run(calls)``, a batched model call's results in order; if the batch fails, each call run
+    alone to find the one that fails, its exception in its place: only its request fails."""
+    if not calls:
+        return []
+    try:
+        return list(run(calls))
+    except Exception:  # noqa: BLE001
+        out: list = []
+        for call in calls:
+            try:
+                out.append(run([call])[0])
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
 
 
 def _return_free_heap() -> None:
