@@ -27,7 +27,7 @@ from .lookup import LookupDrafter
 from .sampling import SamplingParams
 from .speculate import DYNAMIC_DEPTH, Drafting, SSMDrafter, check_vocab, run_draft
 from .tree import TokenTree, merge
-from .tree_sizing import TreeSizer, acceptance, step_cost
+from .tree_sizing import acceptance, chains, tree_sizer
 from .verify import SAMPLING_RULES, verify
 
 SPECINFER_TREE = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's expansion config
@@ -148,7 +148,18 @@ class LocalSpeculator:
         lookup = drafts_by_lookup(tree, params, lookup)
         if tree is not None and not tree:   # "none": incremental decoding, no drafter at all
             ssms = ()
-        self.sizer = TreeSizer(step_cost(llm)) if tree is None and (ssms or lookup) else None
+        # Greedy incremental decoding takes several steps in one LLM run where the engine can: its
+        # drafter graph on the LLM itself (Runtime.draft_chain), each step's argmax fed to the next
+        # inside the run, so no Python runs between them (and no cache-cold Python: ~100 us a step
+        # here, after a run has swept the caches). Same tokens, 1.06x the tokens/s on 16 of
+        # aiohttp's prompts. A speculative request's step that drafts nothing takes such a run too,
+        # and its sizer weighs every tree against it. Only whole runs of draft_depth: a run of
+        # another depth is another session, which costs the embedded LLM ~280 ms to open and 50 MB
+        # (its weights prepacked again), so the steps left at the end of a request (or of the
+        # context) are taken one a run.
+        self.can_chain = params.greedy and chains(llm)
+        self.chained = self.can_chain and not ssms and not lookup
+        self.sizer = tree_sizer(llm, ssms, lookup, self.can_chain) if tree is None and (ssms or lookup) else None
         self.tree = [1] * DYNAMIC_DEPTH if tree is None else list(tree)
         self.llm, self.params, self.rule = llm, params, rule
         self.max_context = capacity = llm.max_context if capacity is None else capacity
@@ -162,22 +173,13 @@ class LocalSpeculator:
                                         min_confidence=min_confidence, sizer=self.sizer, rule=rule)
                              for i, rt in enumerate(ssms)]
             if lookup:
-                self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup", rule))
+                self.lookup = LookupDrafter(len(ssms), self.sizer, acceptance(llm, params, "lookup", rule),
+                                             greedy=params.greedy)
         except BaseException:
             self.release()
             raise
         self.last_path: list[int] = []
         self._draft_seconds = 0.0
-        # Greedy incremental decoding takes several steps in one LLM run where the engine can: its
-        # drafter graph on the LLM itself (Runtime.draft_chain), each step's argmax fed to the next
-        # inside the run, so no Python runs between them (and no cache-cold Python: ~100 us a step
-        # here, after a run has swept the caches). Same tokens, 1.06x the tokens/s on 16 of
-        # aiohttp's prompts. Not with a draft vocabulary, whose drafter sees part of the LLM's.
-        # Only whole runs of draft_depth: a run of another depth is another session, which costs
-        # the embedded LLM ~280 ms to open and 50 MB (its weights prepacked again), so the steps
-        # left at the end of a request (or of the context) are taken one a run.
-        self.can_chain = params.greedy and llm.draft_depth > 1 and llm.draft_vocab is None
-        self.chained = self.can_chain and not ssms and not lookup
         self.wanted = max_new_tokens   # tokens still wanted (None: unknown)
 
     def start(self, prefix: list[int]) -> None:
@@ -196,11 +198,16 @@ class LocalSpeculator:
 
     def step(self, root: int, budget: int) -> tuple[list[int], int]:
         depth = self.chain_depth(budget)
+        if depth is None:
+            tree = self.propose(root, budget)
+            if len(tree) == 1:   # nothing drafted: the step that drafts nothing, a chain where it can
+                depth = self.chain_depth(budget, share=1)
+                if depth is not None and self.sizer is not None and any(d.drafted for d in self.drafters):
+                    self.sizer.observe(self._draft_seconds)   # a draft that kept nothing cost as much
         if depth is not None:
             start = time.perf_counter()
             chain = self.llm.draft_chain(self.seq, [root], depth).tokens
             return self.settle_chain(root, chain, time.perf_counter() - start)
-        tree = self.propose(root, budget)
         start = time.perf_counter()
         logits = self.llm.score(self.seq, tree.tokens, tree.parents)
         return self.settle(tree, logits, time.perf_counter() - start)
@@ -224,7 +231,10 @@ class LocalSpeculator:
         root. A scheduler drafts many sequences' chains in one run (scheduler.py)."""
         start = time.perf_counter()
         self.llm.commit(self.seq, range(len(chain)))
-        self.stats.llm_seconds += llm_seconds + time.perf_counter() - start
+        llm_seconds += time.perf_counter() - start
+        self.stats.llm_seconds += llm_seconds
+        if self.sizer is not None:
+            self.sizer.observe_chain(len(chain), llm_seconds)
         self.wanted = self.wanted and self.wanted - len(chain)
         path = [root] + chain[:-1]
         if self.drafters or self.lookup:   # they learn it before their next draft (proposing)

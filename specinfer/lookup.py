@@ -31,13 +31,16 @@ class LookupDrafter:
     last occurred (with what followed): ``prefill``, ``draft``, ``commit``, ``release``, as
     :class:`speculate.SSMDrafter` has them, but a draft needs only the root and the node budget."""
 
-    def __init__(self, index: int, sizer: TreeSizer, record: Acceptance, depth: int = LOOKUP_DEPTH):
-        self.index, self.sizer, self.record, self.depth = index, sizer, record, depth
+    def __init__(self, index: int, sizer: TreeSizer, record: Acceptance, depth: int = LOOKUP_DEPTH,
+                 greedy: bool = True):
+        self.index, self.sizer, self.record, self.depth, self.greedy = index, sizer, record, depth, greedy
         self.tokens: list[int] = []               # the sequence before the next root
         # A run of 1..LONGEST_MATCH tokens -> the index after its latest occurrence.
         self._next: dict[tuple[int, ...], int] = {}
-        self._tree: TokenTree | None = None
-        self._proposed: list[tuple[int, int, float]] = []   # (tree node, rank, nominal probability)
+        # The last draft's whole copied chain, (token, nominal probability) each, and how many of
+        # them it proposed (None: no draft awaits its verdict).
+        self._chain: list[tuple[int, float]] = []
+        self._proposed: int | None = None
         self.speedup = 0.0   # the last draft's expected speedup (TreeSizer.speedup, drafted free)
 
     def _extend(self, tokens: Sequence[int]) -> None:
@@ -56,8 +59,8 @@ class LookupDrafter:
         """A chain copied from after the latest earlier occurrence of the sequence's longest
         matching end (root included; past it, the copy repeats itself), cut where more tokens
         would not pay."""
-        tree = self._tree = TokenTree(root)
-        self._proposed, self.speedup = [], 0.0
+        tree = TokenTree(root)
+        self._chain, self._proposed, self.speedup = [], 0, 0.0
         context = self.tokens + [int(root)]
         for n in range(min(LONGEST_MATCH, len(context)), 0, -1):
             start = self._next.get(tuple(context[-n:]))
@@ -76,18 +79,31 @@ class LookupDrafter:
         probability = [MATCH_PROBABILITY[n] if i < period else REPEAT_PROBABILITY for i in range(len(chain))]
         reach = list(itertools.accumulate(self.record(probability, 0), operator.mul))
         self.speedup = self.sizer.speedup(reach, free=True)
+        self._proposed = self.sizer.best_count(reach)
+        self._chain = list(zip(chain, probability))
         node = 0
-        for token, p in zip(chain[:self.sizer.best_count(reach)], probability):
+        for token in chain[:self._proposed]:
             node = tree.add(node, token, Proposal(self.index, 0, None))
-            self._proposed.append((node, 0, p))
         return tree
 
     def commit(self, path_tokens: Sequence[int]) -> None:
         """The accepted path, root first, without the bonus: it joins the sequence, and the record
-        learns which copied tokens were accepted."""
-        if self._tree is not None and self._proposed:
-            self.record.learn(self._tree, self._proposed, path_tokens)
-        self._tree, self._proposed = None, []
+        learns which copied tokens were accepted: the proposed ones, and, greedy, the copied tokens
+        it did not propose as far as the path shows what the LLM took there (its greedy tokens),
+        so that the record goes on learning while its drafts do not pay (a step that drafts
+        nothing then tells it as much as one that drafts)."""
+        if self._proposed is not None and self._chain:
+            matched = 0   # copied tokens the path took, from the first
+            while (matched < len(self._chain) and matched + 1 < len(path_tokens)
+                   and self._chain[matched][0] == path_tokens[matched + 1]):
+                matched += 1
+            # The first copied token the path did not take was verified, and rejected, if it was
+            # proposed or, greedy, if the path shows the LLM's token in its place.
+            known = max(self._proposed, len(path_tokens) - 1) if self.greedy else self._proposed
+            seen = min(matched + 1, known, len(self._chain))
+            if seen:
+                self.record.observe([p for _, p in self._chain[:seen]], [0] * seen, [i < matched for i in range(seen)])
+        self._chain, self._proposed = [], None
         self._extend(path_tokens)
 
     def release(self) -> None:

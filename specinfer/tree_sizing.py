@@ -88,29 +88,63 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
     return results
 
 
+def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int = 2, seed: int = 0) -> float:
+    """Median wall time of one run of the runtime's drafter graph on itself: greedy incremental
+    decoding of :attr:`~Runtime.draft_depth` tokens in one call (:meth:`Runtime.draft_chain`), over
+    a cache of ``context`` tokens (discarded after each run)."""
+    rng = np.random.default_rng(seed)
+    seq = runtime.start()
+    times = []
+    try:
+        runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
+        for round_ in range(warm_up + repeats):
+            start = time.perf_counter()
+            runtime.draft_chain(seq, [int(rng.integers(0, runtime.vocab_size))], runtime.draft_depth)
+            if round_ >= warm_up:
+                times.append(time.perf_counter() - start)
+            runtime.commit(seq, [])
+    finally:
+        runtime.release(seq)
+    return float(np.median(times))
+
+
+def chains(runtime: Runtime) -> bool:
+    """Whether greedy incremental decoding on this runtime takes several tokens a run (its drafter
+    graph on the LLM itself; not with a draft vocabulary, whose drafter sees part of the LLM's)."""
+    return runtime.draft_depth > 1 and runtime.draft_vocab is None
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Median seconds of one LLM verification call at each measured tree size (at one context)."""
+    """Median seconds of one LLM verification call at each measured tree size (at one context),
+    and, where the LLM decodes several tokens a run (:func:`chains`), of one such run of
+    ``chain_tokens`` tokens (0: none)."""
 
     tree_tokens: tuple[int, ...]
     seconds: tuple[float, ...]
+    chain_tokens: int = 0
+    chain_seconds: float = 0.0
 
     @classmethod
     def measure(cls, runtime: Runtime, context: int = COST_CONTEXT, sizes: Sequence[int] = COST_SIZES,
                 repeats: int = 9, seed: int = 0) -> "StepCost":
-        """Time the runtime's verification calls here and now (about half a second for the embedded
-        LLM)."""
+        """Time the runtime's verification calls (and chain runs) here and now (about half a
+        second for the embedded LLM)."""
         sizes = [t for t in sizes if t < runtime.max_context]
-        context = max(1, min(context, runtime.max_context - max(sizes)))
+        depth = runtime.draft_depth if chains(runtime) else 0
+        context = max(1, min(context, runtime.max_context - max(sizes + [depth])))
         rows = step_times(runtime, [context], sizes, repeats=repeats, seed=seed)
-        return cls(tuple(sizes), tuple(r["median_ms"] / 1e3 for r in rows))
+        chain = chain_seconds(runtime, context, repeats, seed=seed) if depth else 0.0
+        return cls(tuple(sizes), tuple(r["median_ms"] / 1e3 for r in rows), depth, chain)
 
     def to_dict(self) -> dict:
-        return {"tree_tokens": list(self.tree_tokens), "seconds": list(self.seconds)}
+        return {"tree_tokens": list(self.tree_tokens), "seconds": list(self.seconds),
+                "chain_tokens": self.chain_tokens, "chain_seconds": self.chain_seconds}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepCost":
-        return cls(tuple(int(t) for t in d["tree_tokens"]), tuple(float(s) for s in d["seconds"]))
+        return cls(tuple(int(t) for t in d["tree_tokens"]), tuple(float(s) for s in d["seconds"]),
+                   int(d.get("chain_tokens", 0)), float(d.get("chain_seconds", 0.0)))
 
 
 _measured: "weakref.WeakKeyDictionary[Runtime, StepCost]" = weakref.WeakKeyDictionary()
@@ -130,13 +164,20 @@ class TreeSizer:
     to the steps actually run (a running least-squares fit that forgets old steps). A line, since on
     CPU the cost grows about linearly with the tree, and a line does not turn one noisy size into a
     step that would decide every tree; refitted, since in decoding the SSMs and Python run between
-    LLM calls, so a call costs more than back to back in the table, and more so per tree token."""
+    LLM calls, so a call costs more than back to back in the table, and more so per tree token.
+
+    A step that drafts nothing is one LLM token or, where the speculator takes greedy incremental
+    decoding several tokens a run (``chained``; ``LocalSpeculator.step``), such a run, which the
+    cost table times too and the chains run refine: a tree must beat that to be worth drafting."""
 
     PRIOR_WEIGHT = 4.0   # how many steps the measured table counts for against the observed ones
     FORGET = 0.98        # per observed step
 
-    def __init__(self, cost: StepCost, overhead: float | None = None):
+    def __init__(self, cost: StepCost, overhead: float | None = None, chained: bool = False):
         self.cost = cost
+        # A chain run's tokens and seconds per token (a moving average), where steps take them.
+        self.chain_tokens = cost.chain_tokens if chained and cost.chain_seconds > 0 else 0
+        self._chain_token_seconds = cost.chain_seconds / cost.chain_tokens if self.chain_tokens else 0.0
         # Seconds of a step outside the LLM call: a guess until the first steps are observed.
         self.overhead = cost.seconds[0] / 2 if overhead is None else overhead
         t, y = np.asarray(cost.tree_tokens, dtype=float), np.asarray(cost.seconds, dtype=float)
@@ -172,10 +213,21 @@ class TreeSizer:
             self._sums = [self.FORGET * s + x for s, x in zip(self._sums, (1.0, t, y, t * t, t * y))]
             self._line = self._fit()
 
+    def observe_chain(self, tokens: int, seconds: float, weight: float = 0.2) -> None:
+        """A chain run of greedy incremental decoding took ``seconds`` for ``tokens`` tokens."""
+        if self.chain_tokens and tokens > 0:
+            self._chain_token_seconds += weight * (seconds / tokens - self._chain_token_seconds)
+
+    def idle_rate(self) -> float:
+        """Tokens per second of a step that drafts nothing: one LLM token, or a chain run."""
+        one = 1.0 / self.llm_seconds(1)
+        return max(one, 1.0 / self._chain_token_seconds) if self.chain_tokens else one
+
     def tokens_per_second(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> list[float]:
         """Expected tokens per second when verifying the first 0, 1, ..., n nodes of ``reach``, with
         ``extra_seconds`` more per step outside the LLM (one value, or one per count of nodes: a
-        drafter whose cost follows how deep it drafts)."""
+        drafter whose cost follows how deep it drafts). Keeping no node is a step that drafts
+        nothing: where steps take chains, a chain run, if that is faster than one token."""
         # Every step runs this on a few nodes: plain floats (a numpy call on a few numbers costs
         # ~1 us, and this made a dozen a call).
         per_count = not isinstance(extra_seconds, (int, float))
@@ -184,8 +236,11 @@ class TreeSizer:
             if count:
                 total += reach[count - 1]
             extra = extra_seconds[count] if per_count else extra_seconds
-            seconds = self.llm_seconds(count + 1) + max(self.overhead + extra, 0.0)
-            rates.append((total + 1.0) / seconds)
+            other = max(self.overhead + extra, 0.0)
+            rates.append((total + 1.0) / (self.llm_seconds(count + 1) + other))
+            if not count and self.chain_tokens:
+                tokens = self.chain_tokens
+                rates[0] = max(rates[0], tokens / (tokens * self._chain_token_seconds + other))
         return rates
 
     def drafting_more_pays(self, reach: Sequence[float], more: Sequence[float], seconds: float) -> bool:
@@ -197,19 +252,35 @@ class TreeSizer:
     def speedup(self, reach: Sequence[float], free: bool = False, extra_seconds: "float | Sequence[float]" = 0.0) -> float:
         """The best expected tokens per second over the nodes of ``reach`` (best first), drafting
         included (``free``: nodes drafted at no cost, no overhead; ``extra_seconds`` as in
-        :meth:`tokens_per_second`), against a step that drafts nothing (one LLM token, no SSM)."""
+        :meth:`tokens_per_second`), against a step that drafts nothing (:meth:`idle_rate`)."""
         return self.best(reach, -self.overhead if free else extra_seconds)[1]
 
     def best(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> tuple[int, float]:
         """:meth:`best_count` and :meth:`speedup` of the same nodes, from one evaluation."""
         rates = self.tokens_per_second(reach, extra_seconds)
         count = max(range(len(rates)), key=rates.__getitem__)   # the first of equals, as argmax
-        return count, rates[count] * self.llm_seconds(1)
+        return count, rates[count] / self.idle_rate()
 
     def best_count(self, reach: Sequence[float], extra_seconds: "float | Sequence[float]" = 0.0) -> int:
         """How many of the nodes to keep, ``reach`` given best first (a parent before its children:
         a child's reach never exceeds its parent's, so a kept prefix is always a tree)."""
         return self.best(reach, extra_seconds)[0]
+
+
+_sizers: "weakref.WeakKeyDictionary[Runtime, dict[tuple, TreeSizer]]" = weakref.WeakKeyDictionary()
+
+
+def tree_sizer(llm: Runtime, ssms: Sequence[Runtime] = (), lookup: bool = False, chained: bool = False) -> TreeSizer:
+    """The sizer of the LLM's requests that draft with ``ssms`` (and by ``lookup``; ``chained`` as
+    :class:`TreeSizer` has it): one, shared by them and kept as long as the LLM lives, so that what
+    a step costs is learnt over requests, not anew by each from the first guesses (a request of
+    ~100 tokens takes 20-30 steps: measured on aiohttp's code, a step's drafting was expected to
+    cost 0.26-0.33 ms while it cost 0.84-0.94)."""
+    key = (tuple(id(ssm) for ssm in ssms), lookup, chained)
+    by_drafters = _sizers.setdefault(llm, {})
+    if key not in by_drafters:
+        by_drafters[key] = TreeSizer(step_cost(llm), chained=chained)
+    return by_drafters[key]
 
 
 class Acceptance:

@@ -109,6 +109,17 @@ def tiny_vocab(tmp_path_factory):
     return runtimes, ckpts
 
 
+@pytest.fixture
+def trees_against_one_token_steps(monkeypatch):
+    """The dynamic tree weighs its nodes against one-token steps, not against the LLM's chain runs
+    (which on these tiny models no tree beats, so none would be drafted): for tests of what the
+    trees do once drafted."""
+    from specinfer import generate
+    from specinfer.tree_sizing import TreeSizer, step_cost
+
+    monkeypatch.setattr(generate, "tree_sizer", lambda llm, *drafters: TreeSizer(step_cost(llm)))
+
+
 def prompt_and_tree_logits(runtime, prompt, tree, parents):
     """A new sequence's logits on ``runtime``: its prompt's (prefill), then a tree's after it
     (score); the sequence released."""

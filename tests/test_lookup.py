@@ -34,7 +34,7 @@ def test_a_repeating_run_is_copied_on_past_its_end():
     d = drafter([5, 1, 2, 1, 2, 1])
     assert chain(d.draft(2, budget=64)) == [1, 2, 1, 2, 1, 2, 1, 2]
     # The two tokens that did follow "b a b" are rated as a three-token match; the repeats apart.
-    assert [p for _, _, p in d._proposed] == [MATCH_PROBABILITY[3]] * 2 + [REPEAT_PROBABILITY] * 6
+    assert [p for _, p in d._chain] == [MATCH_PROBABILITY[3]] * 2 + [REPEAT_PROBABILITY] * 6
     assert chain(d.draft(2, budget=4)) == [1, 2, 1]
 
 
@@ -69,6 +69,26 @@ def test_learns_which_copies_are_accepted():
     # 2 of every 3 reached tokens accepted: the record rates a copy so, not at its nominal 0.3.
     assert before == p and record([p], 0)[0] == pytest.approx(2 / 3, abs=0.05)
     assert sum(record._accepted[0]) / sum(record._expected[0]) == pytest.approx((2 / 3) / p, rel=0.01)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_learns_from_copies_it_did_not_propose_where_the_path_shows_the_llms_tokens(greedy):
+    """Greedy, the path is the LLM's own tokens, so a copy it did not propose (drafts that do not
+    pay, a step that took a chain instead) is accepted or not as verification would have judged it,
+    as far as the path goes; sampled, a path says nothing of a token never verified."""
+    d = LookupDrafter(index=1, sizer=TreeSizer(DEAR, overhead=0.1), record=Acceptance(), depth=8, greedy=greedy)
+    d.prefill([5, 6, 7, 8, 9, 5, 6, 7, 1, 2])
+    assert len(d.draft(5, budget=64)) == 1                  # too dear: proposes none of 6 7 1 2 ...
+    d.commit([5, 6, 7, 3])                                  # the LLM took 6 and 7, then 3, not 1
+    # (What the record has counted, in steps' worth: earlier steps count 0.99 a step less.)
+    counts = lambda record: [sum(c[0]) / record._weight for c in (record._seen, record._accepted)]  # noqa: E731
+    assert counts(d.record) == pytest.approx([3, 2] if greedy else [0, 0])
+    # A path shorter than the copy: only the tokens it shows are judged.
+    d.draft(3, budget=64)                                   # "7 3" never occurred: "3" alone
+    d.commit([3, 8])
+    assert d.draft(8, budget=64) is not None and d._chain[:1] == [(9, MATCH_PROBABILITY[1])]
+    d.commit([8, 9])                                        # 9 taken; what follows it not shown
+    assert counts(d.record) == pytest.approx([4, 3] if greedy else [0, 0], rel=0.01)
 
 
 def test_release_forgets_the_sequence():

@@ -213,7 +213,7 @@ def test_requests_left_no_tree_take_chains_together_and_their_drafters_catch_up_
 
 
 @pytest.mark.parametrize("tree", [None, [2, 1, 1]])
-def test_after_chained_steps_a_request_drafts_as_one_that_had_seen_every_token(models, tree):
+def test_after_chained_steps_a_request_drafts_as_one_that_had_seen_every_token(models, tree, trees_against_one_token_steps):
     """A drafting request's chains (the scheduler's, where it is left no tree) reach its SSMs and
     lookup before their next draft: that draft is the one of a request prefilled with the prompt
     and the chains' tokens."""

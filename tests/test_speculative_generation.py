@@ -33,7 +33,7 @@ def tokens(llm, prompt, n=40, eos=EOS, **kw):
 
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("ssms", [["close"], ["far"], ["close", "far"]])
-def test_greedy_speculative_equals_incremental(pair, tree, ssms, monkeypatch):
+def test_greedy_speculative_equals_incremental(pair, tree, ssms, monkeypatch, trees_against_one_token_steps):
     from specinfer.tree_sizing import Acceptance
 
     # Every step drafts, even where drafts would not pay on these tiny models (the test is of what
@@ -66,6 +66,34 @@ def test_greedy_stays_exact_when_drafting_stops_and_starts(pair, monkeypatch):
         assert len(calls) <= (stats.steps + 1) // 2 < stats.steps   # half the steps drafted nothing
         calls.clear()
     assert close.sequences() == []
+
+
+def test_a_step_that_drafts_nothing_takes_a_chain_run(pair, monkeypatch, trees_against_one_token_steps):
+    """Greedy, a step whose drafters draft nothing takes draft_depth tokens in one run of the LLM's
+    drafter graph, as incremental decoding does, and the SSM catches up at its next draft: token
+    for token incremental decoding. Sampled, such a step is one token."""
+    from specinfer.tree_sizing import Acceptance, step_cost
+
+    turns = iter(range(10**6))
+    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self, lead=0.0: next(turns) % 3 == 0)
+    llm, close = pair["llm"], pair["close"]
+    step_cost(llm)   # measured at first use (its runs not counted below)
+    runs, trees = [], []
+    for prompt in PROMPTS:
+        want = tokens(llm, prompt, n=60, eos=None)
+        with monkeypatch.context() as m:
+            m.setattr(llm, "draft_chain", lambda seq, t, depth, *a, f=llm.draft_chain: runs.append(depth) or f(seq, t, depth, *a))
+            m.setattr(llm, "score", lambda seq, t, *a, f=llm.score: trees.append(len(t)) or f(seq, t, *a))
+            stats = Stats()
+            assert tokens(llm, prompt, n=60, eos=None, ssms=[close], stats=stats) == want
+        assert set(runs) == {llm.draft_depth} and stats.steps == len(runs) + len(trees)
+        assert any(t > 1 for t in trees)    # and the other steps verified the SSM's drafts
+        runs.clear(), trees.clear()
+        with monkeypatch.context() as m:
+            m.setattr(llm, "draft_chain", lambda *a: runs.append(a))
+            tokens(llm, prompt, n=20, ssms=[close], params=SamplingParams(temperature=1.0, seed=1))
+        assert runs == []
+    assert llm.sequences() == [] and close.sequences() == []
 
 
 @pytest.mark.parametrize("ssms", [[], ["close"]])

@@ -4,7 +4,8 @@ import pytest
 
 from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.sampling import SamplingParams
-from specinfer.tree_sizing import Acceptance, StepCost, TreeSizer, acceptance, step_cost, step_times
+from specinfer.generate import LocalSpeculator
+from specinfer.tree_sizing import Acceptance, StepCost, TreeSizer, acceptance, step_cost, step_times, tree_sizer
 
 
 def brute_force_best(llm_seconds, overhead, reach):
@@ -66,11 +67,46 @@ def test_sizer_learns_the_llm_cost_from_the_steps_it_sees():
     assert sizer.best_count(reach) < before
 
 
+def test_a_tree_must_beat_the_chain_a_step_that_drafts_nothing_takes():
+    """Where steps that draft nothing take chain runs (8 tokens for 2.0 here: 0.25 a token, a
+    quarter of a one-token step), keeping no node is worth the chain's rate, and a tree that beats
+    one-token steps but not the chain is not worth drafting."""
+    cost = StepCost((1, 9), (1.0, 1.8), chain_tokens=8, chain_seconds=2.0)
+    reach = list(np.cumprod([0.8] * 8))
+    one, chain = TreeSizer(cost, overhead=0.0), TreeSizer(cost, overhead=0.0, chained=True)
+    assert one.idle_rate() == pytest.approx(1.0) and chain.idle_rate() == pytest.approx(4.0)
+    assert one.tokens_per_second(reach)[1:] == pytest.approx(chain.tokens_per_second(reach)[1:])
+    assert chain.tokens_per_second(reach)[0] == pytest.approx(4.0)
+    assert one.best_count(reach) > 0 and one.speedup(reach) > 2.0      # against one-token steps: pays
+    assert chain.best_count(reach) == 0 and chain.speedup(reach) == pytest.approx(1.0)
+    # The chains run slower than measured: the sizer follows them, and the tree pays again.
+    for _ in range(40):
+        chain.observe_chain(8, 16.0)
+    assert chain.idle_rate() == pytest.approx(1.0, rel=0.01) and chain.best_count(reach) == one.best_count(reach)
+    # A table without chains (an LLM with no drafter graph, or a table saved before): one-token steps.
+    assert TreeSizer(StepCost((1, 9), (1.0, 1.8)), chained=True).idle_rate() == pytest.approx(1.0)
+
+
+def test_requests_drafting_alike_share_one_sizer(exported):
+    """What a step costs is learnt over requests: one sizer per LLM and drafters, not per request."""
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    assert tree_sizer(llm, [ssm], True, True) is tree_sizer(llm, [ssm], True, True)
+    assert tree_sizer(llm, [ssm], True, True) is not tree_sizer(llm, [], True, True)
+    assert tree_sizer(llm, [ssm], False, True) is not tree_sizer(llm, [ssm], True, True)
+    first = LocalSpeculator(llm, [ssm], lookup=True)
+    second = LocalSpeculator(llm, [ssm], lookup=True)
+    assert first.sizer is second.sizer and first.sizer.chain_tokens == llm.draft_depth > 1
+    first.release(), second.release()
+
+
 def test_measured_cost_table(exported):
     rt = OrtRuntime(exported["llama3"])
     cost = StepCost.measure(rt, context=32, sizes=(1, 4, 16), repeats=3)
     assert cost.tree_tokens == (1, 4, 16) and all(s > 0 for s in cost.seconds)
+    # The LLM decodes draft_depth tokens a run: the table times such a run too.
+    assert cost.chain_tokens == rt.draft_depth > 1 and cost.chain_seconds > 0
     assert StepCost.from_dict(cost.to_dict()) == cost
+    assert StepCost.from_dict({"tree_tokens": [1], "seconds": [0.1]}).chain_tokens == 0   # saved before
     assert rt.sequences() == []                      # the measurement left no sequence open
     assert step_cost(rt) is step_cost(rt)            # measured once per runtime
 

@@ -293,7 +293,7 @@ class LookupModel(DraftModel):
         self.sizer, self.sequences = TreeSizer(step_cost), _Sequences()
 
     def _drafter(self, seq_id, params: SamplingParams) -> LookupDrafter:
-        return LookupDrafter(self.index, self.sizer, acceptance(self, params, "lookup"))
+        return LookupDrafter(self.index, self.sizer, acceptance(self, params, "lookup"), greedy=params.greedy)
 
     def stepping(self, seq_id, accepted: list[int], root: int, params: SamplingParams, budget: int,
                  tree: str | None = None) -> Generator:
