@@ -200,10 +200,7 @@ class LocalSpeculator:
         depth = self.chain_depth(budget)
         if depth is None:
             tree = self.propose(root, budget)
-            if len(tree) == 1:   # nothing drafted: the step that drafts nothing, a chain where it can
-                depth = self.chain_depth(budget, share=1)
-                if depth is not None and self.sizer is not None and any(d.drafted for d in self.drafters):
-                    self.sizer.observe(self._draft_seconds)   # a draft that kept nothing cost as much
+            depth = self.chain_instead(tree, budget)
         if depth is not None:
             start = time.perf_counter()
             chain = self.llm.draft_chain(self.seq, [root], depth).tokens
@@ -224,6 +221,18 @@ class LocalSpeculator:
             if depth <= min(budget, self.wanted or budget):
                 return depth
         return None
+
+    def chain_instead(self, tree: TokenTree, budget: int) -> int | None:
+        """Where the drafters drafted nothing (``tree`` the root alone), the tokens the step takes in
+        one chain run instead, as incremental decoding does (:meth:`chain_depth`; None: verify the
+        tree, or one token); the sizer weighs every tree against that run, and learns what the
+        draft that kept nothing cost."""
+        if len(tree) > 1:
+            return None
+        depth = self.chain_depth(budget, share=1)
+        if depth is not None and self.sizer is not None and any(d.drafted for d in self.drafters):
+            self.sizer.observe(self._draft_seconds)
+        return depth
 
     def settle_chain(self, root: int, chain: list[int], llm_seconds: float) -> tuple[list[int], int]:
         """Keep a chain of greedy incremental decoding the LLM drafted from ``root`` (its tokens

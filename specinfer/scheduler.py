@@ -356,12 +356,7 @@ class Scheduler:
         t0 = time.perf_counter()
         chained = {id(job): (job, depth) for job in steps if job.tree is None
                    and (depth := job.spec.local.chain_depth(job.budget, share))}
-        if chained:   # greedy steps that draft nothing: several tokens each, in an LLM run of their own
-            self._run_chained(list(chained.values()), t0)
-            steps = [job for job in steps if id(job) not in chained]
-            if not steps and not starts:
-                return []
-            t0 = time.perf_counter()
+        steps = [job for job in steps if id(job) not in chained]
         trees = {id(job): job.tree for job in steps if job.tree is not None}
         drafting = [job for job in steps if job.tree is None]
         # Every sequence's drafts together: each SSM drafts for all of them in one run a round.
@@ -371,6 +366,20 @@ class Scheduler:
                 job.finish(error=tree)
             else:
                 trees[id(job)] = tree
+        if all(len(tree) == 1 for tree in trees.values()):
+            # No tree to verify: the steps that drafted nothing take chains, as a request alone
+            # does (LocalSpeculator.chain_instead); beside trees, one token each in their call.
+            for job in drafting:
+                if id(job) in trees and (depth := job.spec.local.chain_instead(trees[id(job)], min(job.budget, share))):
+                    chained[id(job)] = (job, depth)
+            steps = [job for job in steps if id(job) not in chained]
+        if chained:   # greedy steps that draft nothing: several tokens each, in an LLM run of their own
+            started = time.perf_counter()
+            self.seconds["draft"] += started - t0
+            self._run_chained(list(chained.values()), started)
+            if not steps and not starts:
+                return []
+            t0 = time.perf_counter()
         chunks = self._prefill_chunks(starts, chunked=bool(steps or chained),
                                       per_step=max((depth for _, depth in chained.values()), default=1))
         for job in starts:

@@ -212,6 +212,24 @@ def test_requests_left_no_tree_take_chains_together_and_their_drafters_catch_up_
     assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
 
 
+def test_steps_whose_drafters_draft_nothing_take_chains_where_no_tree_is_verified(models, monkeypatch):
+    """Requests with room for trees whose SSMs draft nothing (drafts that do not pay) take chains,
+    as a request alone does, every sequence's in one run: the tokens are each request's alone."""
+    from specinfer.tree_sizing import Acceptance
+
+    llm, ssms = models
+    monkeypatch.setattr(Acceptance, "drafting_pays", lambda self, lead=0.0: False)
+    chains, original = [], llm.draft_chains
+    monkeypatch.setattr(llm, "draft_chains", lambda calls: chains.append(len(calls)) or original(calls))
+    scheduler = Scheduler(llm, ssms, gather_seconds=0.01)
+    n = 40
+    got = run_together(scheduler, PROMPTS[:4], n, tree=None, lookup=False)
+    monkeypatch.undo()
+    assert got == [alone(llm, p, n) for p in PROMPTS[:4]]
+    assert chains and max(chains) > 1          # chains, many sequences' in one run
+    assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
+
+
 @pytest.mark.parametrize("tree", [None, [2, 1, 1]])
 def test_after_chained_steps_a_request_drafts_as_one_that_had_seen_every_token(models, tree, trees_against_one_token_steps):
     """A drafting request's chains (the scheduler's, where it is left no tree) reach its SSMs and
