@@ -370,7 +370,7 @@ class Scheduler:
             # No tree to verify: the steps that drafted nothing take chains, as a request alone
             # does (LocalSpeculator.chain_instead); beside trees, one token each in their call.
             for job in drafting:
-                if id(job) in trees and (depth := job.spec.local.chain_instead(trees[id(job)], min(job.budget, share))):
+                if id(job) in trees and (depth := job.spec.local.chain_instead(trees[id(job)], job.budget)):
                     chained[id(job)] = (job, depth)
             steps = [job for job in steps if id(job) not in chained]
         if chained:   # greedy steps that draft nothing: several tokens each, in an LLM run of their own
