@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .engines.runtime import Runtime
 from .rounds import median_ratio, median_round
+from .tree_sizing import chains
 from .verify import SAMPLING_RULES
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def _warm_batches(runtime: Runtime, most: int) -> None:
             runtime.score_batch([(seq, [0], None) for seq in seqs[:n]])
             for seq in seqs[:n]:
                 runtime.commit(seq, [])
-            if runtime.draft_depth > 1:   # greedy incremental requests' chains (Scheduler._run_chained)
+            if chains(runtime):   # greedy requests' chains (Scheduler._run_chained)
                 runtime.draft_chains([(seq, [0], runtime.draft_depth, None) for seq in seqs[:n]])
                 for seq in seqs[:n]:
                     runtime.commit(seq, [])

@@ -9,12 +9,12 @@ to the scheduler's thread and wait. That thread takes whatever is ready, as one 
     one LLM call scores every tree and new prompts (by chunks)           (Runtime.score_batch)
     each sequence verifies its tree and commits the accepted path        (LocalSpeculator.settle)
 
-(greedy requests that draft nothing, incremental ones or those the batch's share leaves no
-tree, take several tokens a step instead, all of them in one run of the LLM's drafter:
-:meth:`Scheduler._run_chained`), so the step algorithm is the one of
-:class:`~specinfer.generate.LocalSpeculator`, and requests join and leave between batches. A
-settled step's successor (from its bonus token) is queued at once, before the request's thread
-asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
+(greedy requests that draft nothing, incremental ones, those the batch's share leaves no tree,
+and, in a batch that verifies no tree, those whose drafters drafted nothing, take several tokens
+a step instead, all of them in one run of the LLM's drafter: :meth:`Scheduler._run_chained`), so
+the step algorithm is the one of :class:`~specinfer.generate.LocalSpeculator`, and requests join
+and leave between batches. A settled step's successor (from its bonus token) is queued at once,
+before the request's thread asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
 not wait for the requests' threads to handle their tokens, and a request that then stops wastes
 that one step. Before it waits, the thread gives running sequences that have no step queued a
 moment (``gather_seconds``) to ask.
@@ -432,8 +432,9 @@ class Scheduler:
             self._active()
 
     def _run_chained(self, steps: list[tuple[_Job, int]], t0: float) -> None:
-        """Greedy steps of several tokens each, ``(job, tokens)``: incremental requests', and those
-        of requests whose drafts the batch's share leaves no room for (``LocalSpeculator.chain_depth``),
+        """Greedy steps of several tokens each, ``(job, tokens)``: incremental requests', those of
+        requests whose drafts the batch's share leaves no room for (``LocalSpeculator.chain_depth``)
+        and those whose drafters drafted nothing (``LocalSpeculator.chain_instead``),
         every sequence's in one LLM run (:meth:`~specinfer.engines.runtime.Runtime.draft_chains`),
         as an incremental request alone takes them (``LocalSpeculator.step``): a batch of one-token
         steps pays the run's fixed cost and this thread's Python for every token (measured: 16
