@@ -533,9 +533,13 @@ class BatchedSpeculator:
         s._admit(nbytes, tokens)
         self.reserved = nbytes
         try:
-            self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats,
-                                         seq_id=self.seq_id, capacity=tokens, max_new_tokens=self.max_new_tokens,
-                                         **self.options)
+            # Between batches: making the sequences' state runs the models (and, at the LLM's first
+            # drafting request, times its steps and chain runs: tree_sizing.step_cost), which must
+            # not run beside a batch on another thread (seen: garbled tokens in later batches).
+            with s._run_lock:
+                self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats,
+                                             seq_id=self.seq_id, capacity=tokens,
+                                             max_new_tokens=self.max_new_tokens, **self.options)
             with s._lock:
                 s.running.add(self)
         except BaseException:
