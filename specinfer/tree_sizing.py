@@ -185,7 +185,7 @@ class TreeSizer:
         # Weighted sums for the fit: n, sum t, sum y, sum t^2, sum t*y. Plain floats: every step
         # updates them, and five numpy operations on five numbers cost more than the arithmetic.
         self._sums = [float(w * s) for s in (len(t), t.sum(), y.sum(), (t * t).sum(), (t * y).sum())]
-        self._line = self._fit()
+        self._line: tuple[float, float] | None = self._fit()   # (intercept, slope); None: refit when asked
 
     def _fit(self) -> tuple[float, float]:
         n, st, sy, stt, sty = self._sums
@@ -196,6 +196,8 @@ class TreeSizer:
     def llm_seconds(self, tree_tokens: float) -> float:
         """Seconds of an LLM call verifying ``tree_tokens`` tokens, by the fitted line (a plain
         float: every step evaluates it for each count of nodes it weighs)."""
+        if self._line is None:
+            self._line: tuple[float, float] | None = self._fit()   # (intercept, slope); None: refit when asked
         intercept, slope = self._line
         return max(intercept + slope * tree_tokens, 1e-6)
 
@@ -211,7 +213,7 @@ class TreeSizer:
         if tree_tokens is not None and llm_seconds is not None:
             t, y = float(tree_tokens), float(llm_seconds)
             self._sums = [self.FORGET * s + x for s, x in zip(self._sums, (1.0, t, y, t * t, t * y))]
-            self._line = self._fit()
+            self._line = None   # refitted when next asked: most steps that draft nothing never ask
 
     def observe_chain(self, tokens: int, seconds: float, weight: float = 0.2) -> None:
         """A chain run of greedy incremental decoding took ``seconds`` for ``tokens`` tokens."""
