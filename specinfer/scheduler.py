@@ -22,7 +22,8 @@ moment (``gather_seconds``) to ask.
 The tree a request verifies gets smaller as more requests run: their trees share
 ``batch_tree_tokens`` nodes (SpecInfer finds small trees best from a batch of 4 up; here, on 2
 cores, verifying many tokens is no longer almost free, and from 16 requests a step without a draft
-is fastest).
+is fastest). A batch of greedy speculative requests drafts trees only while trees have made more
+tokens a second than chains at that many requests (:class:`ChainsOrTrees` measures both ways).
 
 KV memory: a request is admitted when the KV cache it may need (its prompt plus ``max_tokens``
 plus one tree, in the LLM and every SSM) fits in the budget beside the running requests'; it is
@@ -65,6 +66,48 @@ PREFILL_CHUNK_TOKENS = 128
 # Seconds with no request running after which the models drop what they keep for batches (opening
 # a batch size's session again costs ~0.1 s, once, at the next burst).
 IDLE_SECONDS = 10.0
+
+
+class ChainsOrTrees:
+    """Whether a batch's greedy speculative requests draft trees or all take chains (as
+    incremental ones do), by how many requests run: whichever way made more tokens a second in the
+    batches of that size so far. A request alone decides for itself (its sizer weighs its trees
+    against its chain run); in a batch, the chains of every sequence share one run, which makes a
+    chain token cheaper as the batch grows faster than a tree token gets (served on int8 products,
+    4 streams: speculative 2874 tokens/s against incremental 3888, 16 streams 4127 against 4742).
+    Trees are tried first; the losing way is tried again now and then, the wait doubling while it
+    still loses, so that a change (other prompts, drafts that start to pay) is seen."""
+
+    WEIGHT = 0.3          # of a new batch in a moving average
+    RETRY = (4, 64)       # batches of a size between tries of the losing way: first, most
+
+    def __init__(self):
+        self.rates: dict[tuple[str, int], float] = {}   # (way, requests running) -> tokens/s
+        self._wait: dict[int, int] = {}
+        self._waited: dict[int, int] = {}
+        self._leader: dict[int, str] = {}
+
+    def chains(self, size: int) -> bool:
+        """Whether the next batch of ``size`` running requests takes chains instead of trees."""
+        trees, chains = self.rates.get(("trees", size)), self.rates.get(("chains", size))
+        if trees is None or chains is None:
+            return trees is not None      # each way measured once, trees first
+        leader = "chains" if chains > trees else "trees"
+        if self._leader.get(size) != leader:   # a new leader: its rival is soon tried again
+            self._leader[size], self._wait[size], self._waited[size] = leader, self.RETRY[0], 0
+        self._waited[size] += 1
+        if self._waited[size] < self._wait[size]:
+            return leader == "chains"
+        self._waited[size], self._wait[size] = 0, min(2 * self._wait[size], self.RETRY[1])
+        return leader != "chains"
+
+    def observe(self, way: str, size: int, tokens: int, seconds: float) -> None:
+        """A batch of ``size`` running requests that went ``way`` ("trees" or "chains") made
+        ``tokens`` in ``seconds``, its drafting included."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate, old = tokens / seconds, self.rates.get((way, size))
+        self.rates[way, size] = rate if old is None else old + self.WEIGHT * (rate - old)
 
 
 def default_kv_budget() -> int:
@@ -174,6 +217,7 @@ class Scheduler:
         self.batches = 0                         # batches run, and the sequences they held
         self.batched_sequences = 0
         self.seconds = {"draft": 0.0, "llm": 0.0, "verify": 0.0}   # the batches' time, by part
+        self.ways = ChainsOrTrees()              # greedy speculative requests in a batch: trees or chains
         self._jobs: list[_Job] = []
         self._lock = threading.Condition()       # jobs, running, memory
         self._run_lock = threading.Lock()        # held while a batch runs: no buffer is freed under it
@@ -354,8 +398,15 @@ class Scheduler:
             job.spec.local.stats = job.stats if job.stats is not None else job.spec.stats
         share = max(MIN_TREE, self.batch_tree_tokens // running if running > 1 else DEFAULT_BUDGET)
         t0 = time.perf_counter()
+        # Where every step is a greedy speculative one (none sampled or incremental), ChainsOrTrees
+        # chooses the way; with no prompt in the batch, the batch is a measure of that way.
+        way = measured = None
+        if running > 1 and steps and all(
+                job.tree is None and job.spec.local.can_chain and not job.spec.local.chained for job in steps):
+            way = "chains" if self.ways.chains(running) else "trees"
+            measured = None if starts else way
         chained = {id(job): (job, depth) for job in steps if job.tree is None
-                   and (depth := job.spec.local.chain_depth(job.budget, share))}
+                   and (depth := job.spec.local.chain_depth(job.budget, 1 if way == "chains" else share))}
         steps = [job for job in steps if id(job) not in chained]
         trees = {id(job): job.tree for job in steps if job.tree is not None}
         drafting = [job for job in steps if job.tree is None]
@@ -376,10 +427,12 @@ class Scheduler:
         if chained:   # greedy steps that draft nothing: several tokens each, in an LLM run of their own
             started = time.perf_counter()
             self.seconds["draft"] += started - t0
-            self._run_chained(list(chained.values()), started)
+            tokens = self._run_chained(list(chained.values()), started)
             if not steps and not starts:
+                if measured is not None:   # drafts that kept nothing count: that way chose them
+                    self.ways.observe(measured, running, tokens, time.perf_counter() - t0)
                 return []
-            t0 = time.perf_counter()
+            measured, t0 = None, time.perf_counter()   # a mixed batch measures neither way
         chunks = self._prefill_chunks(starts, chunked=bool(steps or chained),
                                       per_step=max((depth for _, depth in chained.values()), default=1))
         for job in starts:
@@ -416,6 +469,8 @@ class Scheduler:
         # A start whose prompt is all in is done; the others go first in the next batch.
         unfinished = [job for job in starts if not job.done.is_set() and job.prefilled < len(job.prefix)]
         self.seconds["verify"] += time.perf_counter() - started - seconds
+        if measured == "trees":
+            self.ways.observe(measured, running, sum(len(path) for _, (path, _) in verified), time.perf_counter() - t0)
         self._settle(verified, [job for job in starts if not job.done.is_set() and job.prefilled == len(job.prefix)])
         return unfinished
 
@@ -431,7 +486,7 @@ class Scheduler:
             self._trimmed = False
             self._active()
 
-    def _run_chained(self, steps: list[tuple[_Job, int]], t0: float) -> None:
+    def _run_chained(self, steps: list[tuple[_Job, int]], t0: float) -> int:
         """Greedy steps of several tokens each, ``(job, tokens)``: incremental requests', those of
         requests whose drafts the batch's share leaves no room for (``LocalSpeculator.chain_depth``)
         and those whose drafters drafted nothing (``LocalSpeculator.chain_instead``),
@@ -440,7 +495,7 @@ class Scheduler:
         steps pays the run's fixed cost and this thread's Python for every token (measured: 16
         sequences at a context of 100, 8 tokens each in one run 1.22x the tokens/s of 8 batches of
         one token). A request that arrives meanwhile waits for that run (~8 tokens' time), then
-        joins the next."""
+        joins the next. Returns the tokens the steps made."""
         calls = [(job.spec.local.seq, [job.root], depth, None) for job, depth in steps]
         chains = _each_or_its_error(self.llm.draft_chains, calls)
         seconds = time.perf_counter() - t0
@@ -455,6 +510,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 job.finish(error=e)
         self._settle(verified)
+        return sum(len(path) for _, (path, _) in verified)
 
     def _prefill_chunks(self, starts: list[_Job], chunked: bool, per_step: int = 1) -> dict[int, list[int]]:
         """Each start's prompt tokens for this batch: the rest of its prompt, or, where other

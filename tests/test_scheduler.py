@@ -11,7 +11,7 @@ from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import RequestError, ServerBusy, ServerStopping, SpecInferError
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams
-from specinfer.scheduler import Scheduler, parse_bytes
+from specinfer.scheduler import ChainsOrTrees, Scheduler, parse_bytes
 from specinfer.speculate import parse_tree
 
 PROMPTS = [[1, 294, 72, 308], [1, 5], [1] + list(range(100, 130)), [1, 33, 33, 33, 200, 17], [1, 250, 3, 99],
@@ -31,6 +31,13 @@ def close_schedulers(monkeypatch):
     yield
     for scheduler in made:
         scheduler.close()
+
+
+@pytest.fixture
+def batches_draft_trees(monkeypatch):
+    """Batches of greedy speculative requests draft trees, whatever ChainsOrTrees would measure
+    (on these tiny models chains soon win): for tests of what the trees do in a batch."""
+    monkeypatch.setattr(ChainsOrTrees, "chains", lambda self, size: False)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +137,7 @@ def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
     assert got == want and all(isinstance(g, list) and g for g in got)
 
 
-def test_sampled_requests_draft_with_the_sampling_ssms_and_greedy_ones_with_the_others(models, monkeypatch):
+def test_sampled_requests_draft_with_the_sampling_ssms_and_greedy_ones_with_the_others(models, monkeypatch, batches_draft_trees):
     """With sampling SSMs, a sampled request drafts with them alone and gives what it gives with them
     as the only SSMs; a greedy one drafts with the others and stays incremental greedy decoding. A
     request's KV is reserved for the dearer of the two sets."""
@@ -156,7 +163,7 @@ def test_sampled_requests_draft_with_the_sampling_ssms_and_greedy_ones_with_the_
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
-def test_each_ssm_drafts_for_the_whole_batch_in_one_run_exactly_as_alone(models, params):
+def test_each_ssm_drafts_for_the_whole_batch_in_one_run_exactly_as_alone(models, params, batches_draft_trees):
     """Chains (greedy, and sampled: drawn in the drafter) of every request in a batch are drafted in
     one run of each SSM's batched drafter, and each request's output is what it gives alone."""
     llm, ssms = models
@@ -171,7 +178,7 @@ def test_each_ssm_drafts_for_the_whole_batch_in_one_run_exactly_as_alone(models,
     assert all(any(k == kind and size > 1 for k, _, size in ssm.batch_drafters) for ssm in ssms)
 
 
-def test_tree_budget_shrinks_as_the_batch_grows(models):
+def test_tree_budget_shrinks_as_the_batch_grows(models, batches_draft_trees):
     llm, ssms = models
     seen = []
     scheduler = Scheduler(llm, ssms[:1], batch_tree_tokens=12, gather_seconds=0.01)
@@ -212,7 +219,7 @@ def test_requests_left_no_tree_take_chains_together_and_their_drafters_catch_up_
     assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
 
 
-def test_steps_whose_drafters_draft_nothing_take_chains_where_no_tree_is_verified(models, monkeypatch):
+def test_steps_whose_drafters_draft_nothing_take_chains_where_no_tree_is_verified(models, monkeypatch, batches_draft_trees):
     """Requests with room for trees whose SSMs draft nothing (drafts that do not pay) take chains,
     as a request alone does, every sequence's in one run: the tokens are each request's alone."""
     from specinfer.tree_sizing import Acceptance
@@ -228,6 +235,60 @@ def test_steps_whose_drafters_draft_nothing_take_chains_where_no_tree_is_verifie
     assert got == [alone(llm, p, n) for p in PROMPTS[:4]]
     assert chains and max(chains) > 1          # chains, many sequences' in one run
     assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
+
+
+def test_chains_or_trees_measures_trees_then_chains_then_goes_the_faster_way_trying_the_other_now_and_then():
+    ways = ChainsOrTrees()
+    assert ways.chains(4) is False                 # trees first
+    ways.observe("trees", 4, 30, 0.010)            # 3000 tokens/s
+    assert ways.chains(4) is True                  # then chains
+    ways.observe("chains", 4, 32, 0.008)           # 4000 tokens/s: chains lead
+    picks = [ways.chains(4) for _ in range(200)]
+    tries = [i for i, chains in enumerate(picks) if not chains]
+    assert tries[0] == ChainsOrTrees.RETRY[0] - 1
+    assert [b - a for a, b in zip(tries, tries[1:])][:5] == [8, 16, 32, 64, 64]   # the wait doubles, to the most
+    assert ways.chains(8) is False                 # every batch size on its own
+    for _ in range(10):                            # trees, tried again, now do better
+        ways.observe("trees", 4, 50, 0.010)
+    assert sum(not ways.chains(4) for _ in range(20)) >= 18
+
+
+@pytest.mark.parametrize("way", ["chains", "trees"])
+def test_a_batch_of_greedy_speculative_requests_goes_the_way_chosen_for_its_size_exactly(models, monkeypatch, way,
+                                                                                        trees_against_one_token_steps):
+    """Where chains are faster for the batch's size, its greedy speculative requests take chains,
+    every sequence's in one run, and their SSMs do not draft; where trees are, they draft and one
+    LLM call verifies their trees. Either way the tokens are each request's alone."""
+    llm, ssms = models
+    monkeypatch.setattr(ChainsOrTrees, "chains", lambda self, size: way == "chains")
+    chains, drafts, trees = [], [], []
+    chain_runs, drafter_runs, score = llm.draft_chains, ssms[0].draft_chains, llm.score_batch
+    monkeypatch.setattr(llm, "draft_chains", lambda calls: chains.append(len(calls)) or chain_runs(calls))
+    monkeypatch.setattr(ssms[0], "draft_chains", lambda calls: drafts.append(len(calls)) or drafter_runs(calls))
+    monkeypatch.setattr(llm, "score_batch", lambda calls: trees.append(sum(len(c[1]) > 1 for c in calls if len(c) == 3))
+                        or score(calls))
+    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01)
+    n = 40
+    got = run_together(scheduler, PROMPTS[:4], n, tree=None, lookup=False)
+    monkeypatch.undo()
+    assert got == [alone(llm, p, n) for p in PROMPTS[:4]]
+    if way == "chains":   # (a request alone, before the others came, drafts as its sizer says)
+        assert max(chains) > 1 and max(trees, default=0) <= 1 and max(drafts, default=0) <= 1
+    else:
+        assert max(drafts) > 1 and max(trees) > 1   # many sequences' drafts in one run, trees in one call
+    assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
+
+
+def test_the_scheduler_measures_both_ways_for_the_batch_sizes_it_runs(models, trees_against_one_token_steps):
+    llm, ssms = models
+    scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01)
+    n = 40
+    got = run_together(scheduler, PROMPTS[:4], n, tree=None, lookup=False)
+    assert got == [alone(llm, p, n) for p in PROMPTS[:4]]
+    measured = {}
+    for way, size in scheduler.ways.rates:
+        measured.setdefault(size, set()).add(way)
+    assert {"trees", "chains"} in measured.values()
 
 
 @pytest.mark.parametrize("tree", [None, [2, 1, 1]])
@@ -261,7 +322,7 @@ def test_after_chained_steps_a_request_drafts_as_one_that_had_seen_every_token(m
         fresh.release()
 
 
-def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monkeypatch):
+def test_a_request_that_fails_leaves_the_others_of_its_batch_exact(models, monkeypatch, batches_draft_trees):
     """One request's verification raises mid-generation: it alone fails; the others finish
     exactly and nothing leaks."""
     llm, ssms = models
