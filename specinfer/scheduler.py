@@ -46,7 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .engines.runtime import Runtime
+from .engines.runtime import Runtime, each_or_its_error
 from .errors import RequestTooLarge, ServerBusy, ServerStopping, SpecInferError
 from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
@@ -446,7 +446,7 @@ class Scheduler:
                  else (j.spec.local.seq, chunks[id(j)], None, True) for j in live]   # a prompt: its last logits
         live, calls = [j for j, c in zip(live, calls) if len(c[1])], [c for c in calls if len(c[1])]
         started = time.perf_counter()
-        outputs = _each_or_its_error(self.llm.score_batch, calls)
+        outputs = each_or_its_error(self.llm.score_batch, calls)
         seconds = time.perf_counter() - started
         self.seconds["draft"] += started - t0
         self.seconds["llm"] += seconds
@@ -497,7 +497,7 @@ class Scheduler:
         one token). A request that arrives meanwhile waits for that run (~8 tokens' time), then
         joins the next. Returns the tokens the steps made."""
         calls = [(job.spec.local.seq, [job.root], depth, None) for job, depth in steps]
-        chains = _each_or_its_error(self.llm.draft_chains, calls)
+        chains = each_or_its_error(self.llm.draft_chains, calls)
         seconds = time.perf_counter() - t0
         self.seconds["llm"] += seconds
         verified = []
@@ -527,23 +527,6 @@ class Scheduler:
                 left -= len(chunks[id(job)])
             self.prefill_chunks += bool(chunks[id(job)])
         return chunks
-
-
-def _each_or_its_error(run, calls: list) -> list:
-    """``run(calls)``, a batched model call's results in order; if the batch fails, each call run
-    alone to find the one that fails, its exception in its place: only its request fails."""
-    if not calls:
-        return []
-    try:
-        return list(run(calls))
-    except Exception:  # noqa: BLE001
-        out: list = []
-        for call in calls:
-            try:
-                out.append(run([call])[0])
-            except Exception as e:  # noqa: BLE001
-                out.append(e)
-        return out
 
 
 def _return_free_heap() -> None:

@@ -20,7 +20,7 @@ from typing import Generator, Hashable, Sequence
 
 import numpy as np
 
-from .engines.runtime import ChainDraft, Runtime, top_tokens
+from .engines.runtime import ChainDraft, Runtime, each_or_its_error, top_tokens
 from .errors import SpecInferError
 from .sampling import SamplingParams, probabilities, sample
 from .tree import Proposal, TokenTree
@@ -165,15 +165,7 @@ def run_drafts(draftings: Sequence[Generator]) -> list:
         for members in by_runtime.values():
             runtime, calls = now[members[0]][0], [now[i][1] for i in members]
             started = time.perf_counter()
-            try:
-                parts = runtime.draft_chains(calls)
-            except Exception:  # noqa: BLE001 - find the call that fails: only its draft fails
-                parts = []
-                for call in calls:
-                    try:
-                        parts.append(runtime.draft_chain(*call))
-                    except Exception as e:  # noqa: BLE001
-                        parts.append(e)
+            parts = each_or_its_error(runtime.draft_chains, calls)   # a failing call fails its draft alone
             share = (time.perf_counter() - started) / len(members)
             for i, part in zip(members, parts):
                 resume(i, part if isinstance(part, BaseException) else (part, share))

@@ -197,7 +197,7 @@ class TreeSizer:
         """Seconds of an LLM call verifying ``tree_tokens`` tokens, by the fitted line (a plain
         float: every step evaluates it for each count of nodes it weighs)."""
         if self._line is None:
-            self._line: tuple[float, float] | None = self._fit()   # (intercept, slope); None: refit when asked
+            self._line = self._fit()
         intercept, slope = self._line
         return max(intercept + slope * tree_tokens, 1e-6)
 

@@ -374,3 +374,20 @@ class Runtime(abc.ABC):
             return self._sequences[seq_id]
         except KeyError:
             raise SpecInferError(f"unknown sequence {seq_id!r} (not started, or released)") from None
+
+
+def each_or_its_error(run, calls: list) -> list:
+    """``run(calls)``, a batched model call's results in order; if the batch fails, each call run
+    alone to find the one that fails, its exception in its place: only its request fails."""
+    if not calls:
+        return []
+    try:
+        return list(run(calls))
+    except Exception:  # noqa: BLE001
+        out: list = []
+        for call in calls:
+            try:
+                out.append(run([call])[0])
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
