@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .engines.runtime import Runtime
 from .rounds import median_ratio, median_round
-from .tree_sizing import chains
 from .verify import SAMPLING_RULES
 
 if TYPE_CHECKING:
@@ -78,10 +77,10 @@ def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Se
     import threading
 
     from .generate import Stats, decode
-    from .scheduler import Scheduler
+    from .scheduler import Scheduler, warm_batches
 
     if not warm:   # untimed, so that the batch sizes' sessions are made before the clock runs
-        _warm_batches(llm, streams)
+        warm_batches(llm, streams)
         _scheduled(replace(cfg, prompts=cfg.prompts[:streams], max_new_tokens=4), llm, ssms, tree, streams, lookup, True)
     scheduler = Scheduler(llm, ssms)
     per_request = [Stats() for _ in cfg.prompts]
@@ -110,28 +109,6 @@ def _scheduled(cfg: BenchConfig, llm: Runtime, ssms: Sequence[Runtime], tree: Se
     stats.ssm_seconds, stats.llm_seconds = scheduler.seconds["draft"], scheduler.seconds["llm"]
     stats.total_seconds = time.perf_counter() - started
     return stats, outputs
-
-
-def _warm_batches(runtime: Runtime, most: int) -> None:
-    """One LLM run of every batch size up to ``most`` sequences, scoring and drafting chains: an
-    engine may open a session for a batch size at its first run (ONNX Runtime here: ~0.1 s each),
-    which the warm-up requests do not all reach. Untimed, a run of 16 streams charged up to 0.6 s
-    of them to whichever contender ran first."""
-    seqs = [runtime.start() for _ in range(most)]
-    try:
-        for seq in seqs:
-            runtime.prefill(seq, [0])
-        for n in range(2, most + 1):
-            runtime.score_batch([(seq, [0], None) for seq in seqs[:n]])
-            for seq in seqs[:n]:
-                runtime.commit(seq, [])
-            if chains(runtime):   # greedy requests' chains (Scheduler._run_chained)
-                runtime.draft_chains([(seq, [0], runtime.draft_depth, None) for seq in seqs[:n]])
-                for seq in seqs[:n]:
-                    runtime.commit(seq, [])
-    finally:
-        for seq in seqs:
-            runtime.release(seq)
 
 
 class _Unavailable(Exception):

@@ -32,9 +32,12 @@ grow as the sequence does (``specinfer_kv_bytes`` is what they hold). A request 
 waits (at most ``max_waiting`` of them, each at most ``wait_seconds``), or is refused with an error
 that says why: it never takes memory from a running request.
 
-Memory the models keep for batches (the LLM's session per batch size, each with its own arena;
-the weights are one copy for all) is given back once no request has run for ``idle_seconds``,
-with the heap's free pages, so that an idle server's memory goes back to what it was at load.
+Memory the batches leave behind is given back once no request has run for ``idle_seconds``: the
+heap's free pages (the sessions run without a memory arena, so a batch's tensors go back to the
+heap as it ends), and whatever a model keeps for batches that it can make again cheaply
+(:meth:`~specinfer.engines.runtime.Runtime.trim`; ONNX Runtime keeps the LLM's session per batch
+size, ~2 MB each with the weights one copy for all, as opening them again slowed every burst after
+an idle spell). A server warms the batch sizes' sessions before its first request (``warm``).
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ from .errors import RequestTooLarge, ServerBusy, ServerStopping, SpecInferError
 from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
 from .speculate import check_vocab, run_drafts
+from .tree_sizing import chains
 from .tree import TokenTree
 
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
@@ -63,8 +67,8 @@ MIN_TREE = 1               # a batch may leave a request no draft at all (an inc
 # chunk per batch, so that it does not hold the running requests' next tokens for its whole
 # prefill (~0.18 ms a token here: 0.2 s for 1000). A prompt with no one else running goes in whole.
 PREFILL_CHUNK_TOKENS = 128
-# Seconds with no request running after which the models drop what they keep for batches (opening
-# a batch size's session again costs ~0.1 s, once, at the next burst).
+# Seconds with no request running after which the models trim what they keep for batches
+# (Runtime.trim) and the heap's free pages go back to the system.
 IDLE_SECONDS = 10.0
 
 
@@ -192,7 +196,11 @@ class Scheduler:
                  kv_budget: int | None = None,
                  batch_tree_tokens: int = BATCH_TREE_TOKENS, max_batch: int = 32, max_waiting: int = 64,
                  wait_seconds: float = 60.0, gather_seconds: float = 0.005,
-                 prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS):
+                 prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS,
+                 warm: int = 0):
+        """``warm``: the LLM runs every batch size up to this many sequences (at most
+        ``max_batch``) before the first request (:func:`warm_batches`), so that no burst waits
+        for a session to open (a server; 0: each opens at its first batch)."""
         check_vocab(llm, [*ssms, *sampling_ssms])
         if batch_tree_tokens < MIN_TREE or max_batch < 1 or max_waiting < 0:
             raise SpecInferError("batch_tree_tokens must be >= 2, max_batch >= 1 and max_waiting >= 0")
@@ -222,6 +230,9 @@ class Scheduler:
         self._lock = threading.Condition()       # jobs, running, memory
         self._run_lock = threading.Lock()        # held while a batch runs: no buffer is freed under it
         self._closed = False
+        if warm > 1:
+            warm_batches(llm, min(warm, max_batch))
+            _return_free_heap()   # the warm-up's tensors (~70 MB of free heap for 32 sizes here)
         self._thread = threading.Thread(target=self._loop, name="specinfer-scheduler", daemon=True)
         self._thread.start()
 
@@ -527,6 +538,29 @@ class Scheduler:
                 left -= len(chunks[id(job)])
             self.prefill_chunks += bool(chunks[id(job)])
         return chunks
+
+
+def warm_batches(runtime: Runtime, most: int) -> None:
+    """One run of every batch size from 2 to ``most`` sequences, scoring and drafting chains (as
+    greedy requests' chains run, :meth:`Scheduler._run_chained`), on sequences of one token made
+    and released here: an engine may open a session for a batch size at its first run (ONNX
+    Runtime: ~0.1 s each for the embedded LLM), which a burst of requests would otherwise wait for
+    (16 streams: 0.61 s). ~1.2 s for sizes up to 16 here."""
+    seqs = [runtime.start() for _ in range(max(most, 0))]
+    try:
+        for seq in seqs:
+            runtime.prefill(seq, [0])
+        for n in range(2, most + 1):
+            runtime.score_batch([(seq, [0], None) for seq in seqs[:n]])
+            for seq in seqs[:n]:
+                runtime.commit(seq, [])
+            if chains(runtime):
+                runtime.draft_chains([(seq, [0], runtime.draft_depth, None) for seq in seqs[:n]])
+                for seq in seqs[:n]:
+                    runtime.commit(seq, [])
+    finally:
+        for seq in seqs:
+            runtime.release(seq)
 
 
 def _return_free_heap() -> None:

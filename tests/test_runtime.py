@@ -208,33 +208,55 @@ def test_one_call_draft_is_the_token_by_token_draft(exported):
     assert np.abs(l1 - l2).max() < TOL
 
 
-def test_a_trim_keeps_open_sequences_exact_and_gives_new_ones_new_sessions(exported):
-    """trim (the idle scheduler's) drops the batched sessions and reopens the single-sequence one,
-    also while sequences are open (another scheduler's, a direct caller's): those go on with the
-    sessions they were bound to, and every score, batch and draft is bit for bit what it is with
-    no trim."""
+@pytest.mark.parametrize("copies", [False, True], ids=["shared-weights", "own-weights"])
+def test_a_trim_keeps_open_sequences_exact_and_gives_new_ones_new_sessions(exported, copies):
+    """trim (the idle scheduler's) drops the spare slots' cache, and the batched sessions where a
+    session keeps weights of its own (``sessions_copy_weights``), also while sequences are open
+    (another scheduler's, a direct caller's): those go on with the sessions they were bound to,
+    and every score, batch and draft is bit for bit what it is with no trim."""
     def run(trim: bool) -> list:
         rt = OrtRuntime(exported["llama3"])
+        rt.sessions_copy_weights = copies   # as _open finds it where the native kernels take no product
         before, during = rt.start(), rt.start()
         for seq in (before, during):
             rt.prefill(seq, PROMPT)
         rt.score_batch([(before, [7, 8], None), (during, [7, 8], None)])   # a batched session, and bindings
-        session = rt.session
+        batched = dict(rt._batched)
         if trim:
             rt.trim()
-            assert rt.batch_sessions == [] and rt.session is not session
+            assert rt._scratch is None
+            assert rt.batch_sessions == ([] if copies else sorted(batched))
         after = rt.start()
         rt.prefill(after, PROMPT)
         rt.score(after, [7, 8])
         tree = ([5, 6, 9], [-1, 0, 0])
-        out = [rt.score(seq, *tree) for seq in (before, after)]          # (with a trim: the old session, the new)
-        out += rt.score_batch([(seq, *tree) for seq in (during, after)])
+        out = [rt.score(seq, *tree) for seq in (before, after)]
+        out += rt.score_batch([(seq, *tree) for seq in (during, after)])   # (copies: on a new session)
         for seq in (before, after):
             rt.commit(seq, [0, 1])                                      # 7, 8
         return out + [np.array(rt.draft_chain(seq, [3], rt.draft_depth)[:4]) for seq in (before, after)]
 
     kept, trimmed = run(False), run(True)
     assert all(np.array_equal(a, b) for a, b in zip(kept, trimmed, strict=True))
+
+
+def test_a_session_copies_the_weights_of_the_products_onnx_runtime_runs_itself():
+    """copies_weights: a MatMul or Gemm of a constant weight (MLAS prepacks it per session) copies;
+    one of two activations, or a native node holding the same weight, does not."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specinfer.engines.onnxruntime import copies_weights
+
+    def graph(op: str, domain: str = "", weight_is_constant: bool = True):
+        inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 2]) for n in ("x", "y")]
+        node = helper.make_node(op, ["x", "w" if weight_is_constant else "y"], ["z"], domain=domain)
+        g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 2])],
+                              [numpy_helper.from_array(np.eye(2, dtype=np.float32), "w")])
+        return helper.make_model(g)
+
+    assert copies_weights(graph("MatMul")) and copies_weights(graph("Gemm"))
+    assert not copies_weights(graph("MatMul", weight_is_constant=False))
+    assert not copies_weights(graph("MatMulI8", domain="specinfer"))
 
 
 def test_every_session_of_a_runtime_reads_one_copy_of_its_weights(exported, monkeypatch):

@@ -95,21 +95,46 @@ def test_a_lone_incremental_request_takes_several_tokens_a_run_as_it_would_alone
     assert scheduler.reserved == 0 and llm.sequences() == []
 
 
-def test_an_idle_scheduler_gives_the_batches_memory_back_and_batches_again_exactly(models, served_pair):
+@pytest.mark.parametrize("copies", [False, True], ids=["shared-weights", "own-weights"])
+def test_an_idle_scheduler_gives_the_batches_memory_back_and_batches_again_exactly(models, served_pair, copies):
+    """Once idle, the models trim: an LLM whose sessions share every weight keeps its batch
+    sessions (a burst after the idle spell opens none), one whose sessions keep weights of their
+    own (MLAS prepacks a product the native kernels do not take) drops them; batches are exact
+    after either."""
     llm = OrtRuntime(served_pair["llm"])   # its own: no other test's scheduler trims it meanwhile
+    llm.sessions_copy_weights = copies     # as _open finds it for a model the native kernels do not take
     ssms = models[1]
     scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01, idle_seconds=0.5)
     want = [alone(llm, p, 24) for p in PROMPTS[:4]]
-    session = llm.session
     assert run_together(scheduler, PROMPTS[:4], 24) == want
     assert max(llm.batch_sessions) > 1          # sequences ran together, on a batched session
+    sessions = dict(llm._batched)
     deadline = time.monotonic() + 20
     while scheduler.trims == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert scheduler.trims == 1 and llm.batch_sessions == []
-    assert llm.session is not session           # a new one, without the old one's arena
-    assert run_together(scheduler, PROMPTS[:4], 24) == want   # the sessions are made again
+    assert scheduler.trims == 1 and llm._scratch is None
+    if copies:
+        assert llm.batch_sessions == []
+    else:
+        assert all(llm._batched[size][0] is entry[0] for size, entry in sessions.items())
+    assert run_together(scheduler, PROMPTS[:4], 24) == want   # made again, or the same
     assert llm.batch_sessions
+
+
+def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(served_pair):
+    llm = OrtRuntime(served_pair["llm"])
+    assert llm.batch_sessions == []
+    scheduler = Scheduler(llm, warm=6, max_batch=4)
+    try:
+        assert llm.batch_sessions == [2, 3, 4]     # up to max_batch
+        assert sorted(size for kind, _, size in llm.batch_drafters if kind == "draft") == [2, 3, 4]
+        assert llm.sequences() == []               # the warm-up's sequences are gone
+        sessions = dict(llm._batched)
+        want = [alone(llm, p, 12) for p in PROMPTS[:3]]
+        assert run_together(scheduler, PROMPTS[:3], 12) == want
+        assert all(llm._batched[size][0] is entry[0] for size, entry in sessions.items())   # none opened again
+    finally:
+        scheduler.close()
 
 
 def test_a_closed_scheduler_refuses_requests_and_no_longer_touches_the_models(models):

@@ -64,6 +64,15 @@ def session_options(threads: int | None):
     # Shapes change every call (the tree, the bias): a memory pattern planned for one shape is never
     # reused, and planning it each call cost a small model up to a third of its step.
     options.enable_mem_pattern = False
+    # No memory arena: a tensor's memory goes back to the C heap when its run ends, where an arena
+    # keeps the most its largest run needed for the session's life. Measured on the embedded LLM
+    # (int8 products; LLM and SSM 1 through the scheduler, 1 and 16 streams, `/tmp/s57/noarena.py`):
+    # 195 MB with a session for every batch size up to 16 against 265 with arenas, 282-306 after
+    # the streams against 385-423, and 231-258 once the heap's free pages are given back against
+    # 345-384; the same speed (two runtimes in one process, runs alternated, `/tmp/s57/ab_arena.py`:
+    # a token, a chain of 8, 16 sequences' trees or chains, a prompt of 600, all within 2%). So an
+    # idle server keeps its sessions (:meth:`OrtRuntime.trim`) and gives the heap back alone.
+    options.enable_cpu_mem_arena = False
     # Once the shared pool exists ONNX Runtime allows no session a pool of its own: threads given
     # then are ignored.
     if (threads is None and _share_thread_pool()) or _shared_pool == [True]:
@@ -213,6 +222,7 @@ class OrtRuntime(Runtime):
         # Logits only for the rows asked for (a prompt: its last), the graph rewritten here.
         self._lowered = select_logit_rows(onnx.load(self.dir / lowered, load_external_data=False))
         self.native_ops: set[str] = set()   # the native ops its sessions run (set by _open)
+        self.sessions_copy_weights = False   # whether a session keeps weights of its own (set by _open)
         self.session = self._open(self._lowered)
         names = output_names(config.num_layers)[1:]
         self._kv_names = [(f"past_key.{i}", f"past_value.{i}", names[2 * i], names[2 * i + 1])
@@ -251,6 +261,7 @@ class OrtRuntime(Runtime):
                 raise SpecInferError(f"{self.dir}: this model's attention cannot run on float16 KV caches; use float32")
         ops = native.native_ops(graph)
         self.native_ops |= ops
+        self.sessions_copy_weights = self.sessions_copy_weights or copies_weights(graph)
         graph, shared = self._share_weights(graph)
         return open_session(graph.SerializeToString(), self.threads, weights_dir=self.dir,
                             libraries=[library] if ops else [], initializers=shared)
@@ -565,19 +576,30 @@ class OrtRuntime(Runtime):
         return sorted(self._draft_batches)
 
     def trim(self) -> None:
-        """Drop the batched sessions (each holds its memory arena, and MLAS's prepacked copy of
-        any weight the native kernels do not take) and the spare slots' cache; the next batch of
-        a size opens its session again (~0.1 s). The single-sequence session is opened again and
-        the drafter's dropped: a session's memory arena keeps the most its largest run needed
-        (measured: the embedded LLM's held ~200 MB more after 16 streams of the embedded
-        prompts). A sequence open meanwhile goes on with the sessions it was bound to (its
-        bindings hold them) until it ends. The shared weights stay (:meth:`_share_weights`)."""
-        self._batched.clear()
+        """Drop the spare slots' caches; and where a session keeps weights of its own
+        (:func:`copies_weights`: MLAS prepacks a MatMul's weight per session where the native
+        kernels do not take it, 48-56 MB a session for the embedded LLM), the batched sessions and
+        the drafters' too, the next batch of a size opening its session again (~0.1 s). Sessions
+        that share every weight (:meth:`_share_weights`) stay: with no memory arena
+        (:func:`session_options`) they hold ~2 MB each, where opening them again made every burst
+        after an idle spell slow (16 streams of the embedded pair: 9 sessions opened in 0.61 s,
+        1485-1651 tokens/s against ~4000 warm; `/tmp/s57/cold.py`). A sequence open meanwhile goes on with the sessions it was bound to
+        (its bindings hold them) until it ends. The shared weights stay."""
         self._scratch = None
-        self.session = self._open(self._lowered)
-        self._draft_sessions.clear()
-        self._draft_batches.clear()
         self._draft_scratch = None
+        if self.sessions_copy_weights:
+            self._batched.clear()
+            self._draft_sessions.clear()
+            self._draft_batches.clear()
+
+
+def copies_weights(model) -> bool:
+    """Whether a session of ``model`` keeps a copy of weights of its own: ONNX Runtime prepacks
+    the constant weight of a MatMul or Gemm for each session (MLAS's packed layout), where the
+    native kernels have not taken the product."""
+    constants = {init.name for init in model.graph.initializer}
+    return any(node.domain in ("", "ai.onnx") and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1
+               and node.input[1] in constants for node in model.graph.node)
 
 
 def _aligned_copy(array: np.ndarray, alignment: int = 64) -> np.ndarray:

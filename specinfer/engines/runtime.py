@@ -174,9 +174,9 @@ class Runtime(abc.ABC):
         return list(self._sequences)
 
     def trim(self) -> None:
-        """Drop what the engine keeps for later batches (sessions, scratch buffers), to make again
-        on next use: an idle server calls it so that its memory goes back to what it was at load.
-        Nothing by default."""
+        """Drop what the engine keeps for later batches and can make again on next use at little
+        cost (scratch buffers; sessions that hold memory of their own): an idle server calls it so
+        that its memory goes back to what it was at load. Nothing by default."""
 
     def length(self, seq_id: Hashable) -> int:
         """Committed tokens of a sequence."""
