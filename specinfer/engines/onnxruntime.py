@@ -70,7 +70,8 @@ def session_options(threads: int | None):
     # 195 MB with a session for every batch size up to 16 against 265 with arenas, 282-306 after
     # the streams against 385-423, and 231-258 once the heap's free pages are given back against
     # 345-384; the same speed (two runtimes in one process, runs alternated, `/tmp/s57/ab_arena.py`:
-    # a token, a chain of 8, 16 sequences' trees or chains, a prompt of 600, all within 2%). So an
+    # a token, a chain of 8, 16 sequences' trees or chains, a prompt of 600, all within 2%; with
+    # no native kernels, MLAS's float32 products, within 5%, the arena-free ones faster). So an
     # idle server keeps its sessions (:meth:`OrtRuntime.trim`) and gives the heap back alone.
     options.enable_cpu_mem_arena = False
     # Once the shared pool exists ONNX Runtime allows no session a pool of its own: threads given
