@@ -27,7 +27,7 @@ class Pipeline:
                  threads: int | None = None, min_confidence: float = 0.0, lookup: bool = True, rule: str = "mss",
                  kv_budget: int | None = None, batch_tree_tokens: int = BATCH_TREE_TOKENS,
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, idle_seconds: float | None = IDLE_SECONDS,
-                 kv_dtype: str = "float32", matmul_dtype: str = "float32"):
+                 kv_dtype: str = "float32", matmul_dtype: str = "float32", warm: int = 0):
         """``lookup``: the dynamic tree also drafts by lookup in the sequence, at no model cost (with
         no SSMs, lookup alone; ``lookup=False`` and no SSMs is incremental decoding). ``rule``: the
         verification rule under sampling ("mss", "traversal" or "naive"; see verify.py).
@@ -38,8 +38,10 @@ class Pipeline:
         ``kv_budget`` bytes of KV cache (default: half the memory available), their trees sharing
         ``batch_tree_tokens`` nodes per batch, and long prompts going in by chunks of
         ``prefill_chunk_tokens`` while other streams step. After ``idle_seconds`` with no stream
-        running, the memory kept for batches is given back (None: kept). ``kv_dtype``: the LLM's KV
-        caches' type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded
+        running, the memory kept for batches is given back (None: kept). ``warm``: every batch size
+        up to this many streams runs once at load, so that no burst waits for a session to open
+        (~1.1 s and ~58 MB for 16 with the embedded LLM; 0: each opens at its first batch).
+        ``kv_dtype``: the LLM's KV caches' type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded
         to float16: logits move by ~1e-3; ONNX Runtime on the native kernels only). The SSMs keep
         float32 caches: theirs are small, and their drafter node reads float32 only. ``matmul_dtype``:
         the LLM's matrix products, float32, bfloat16 or int8 (see :func:`~specinfer.engines.loader.load_runtime`);
@@ -54,7 +56,7 @@ class Pipeline:
         self.eos_ids = self.llm.config.eos_token_ids
         self.scheduler = Scheduler(self.llm, self.ssms, sampling_ssms=self.sampling_ssms, kv_budget=kv_budget,
                                    batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
-                                   idle_seconds=idle_seconds)
+                                   idle_seconds=idle_seconds, warm=warm)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

@@ -11,6 +11,7 @@ from specinfer.engines.onnxruntime import OrtRuntime
 from specinfer.errors import RequestError, ServerBusy, ServerStopping, SpecInferError
 from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams
+from specinfer.pipeline import Pipeline
 from specinfer.scheduler import ChainsOrTrees, Scheduler, parse_bytes
 from specinfer.speculate import parse_tree
 
@@ -135,6 +136,11 @@ def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(
         assert all(llm._batched[size][0] is entry[0] for size, entry in sessions.items())   # none opened again
     finally:
         scheduler.close()
+    pipe = Pipeline(served_pair["llm"], warm=3)     # the library's way in
+    try:
+        assert pipe.llm.batch_sessions == [2, 3]
+    finally:
+        pipe.scheduler.close()
 
 
 def test_a_closed_scheduler_refuses_requests_and_no_longer_touches_the_models(models):
