@@ -41,8 +41,9 @@ class Pipeline:
         running, the memory kept for batches is given back (None: kept). ``warm``: every batch size
         up to this many streams runs once at load, so that no burst waits for a session to open
         (~1.1 s and ~58 MB for 16 with the embedded LLM; 0: each opens at its first batch).
-        ``kv_dtype``: the LLM's KV caches' type, float32 or float16 (half the memory and the bytes a step reads, K and V rounded
-        to float16: logits move by ~1e-3; ONNX Runtime on the native kernels only). The SSMs keep
+        ``kv_dtype``: the LLM's KV caches' type, float32 or float16 (half the memory and the bytes
+        a step reads, K and V rounded to float16: logits move by ~1e-3; ONNX Runtime on the native
+        kernels only). The SSMs keep
         float32 caches: theirs are small, and their drafter node reads float32 only. ``matmul_dtype``:
         the LLM's matrix products, float32, bfloat16 or int8 (see :func:`~specinfer.engines.loader.load_runtime`);
         the SSMs' stay float32."""

@@ -54,8 +54,8 @@ from .errors import RequestTooLarge, ServerBusy, ServerStopping, SpecInferError
 from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
 from .speculate import check_vocab, run_drafts
-from .tree_sizing import chains
 from .tree import TokenTree
+from .tree_sizing import chains
 
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
 # verifies fastest with no draft at all (measured in-process, embedded models, 16 streams: 808
