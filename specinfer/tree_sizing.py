@@ -278,7 +278,9 @@ def tree_sizer(llm: Runtime, ssms: Sequence[Runtime] = (), lookup: bool = False,
     a step costs is learnt over requests, not anew by each from the first guesses (a request of
     ~100 tokens takes 20-30 steps: measured on aiohttp's code, a step's drafting was expected to
     cost 0.26-0.33 ms while it cost 0.84-0.94)."""
-    key = (tuple(id(ssm) for ssm in ssms), lookup, chained)
+    # Weak references, not ids: an SSM's id may be a later SSM's once it is gone, and a reference
+    # to a dead SSM equals no other (its entry stays, a few bytes, until the LLM goes).
+    key = (tuple(weakref.ref(ssm) for ssm in ssms), lookup, chained)
     by_drafters = _sizers.setdefault(llm, {})
     if key not in by_drafters:
         by_drafters[key] = TreeSizer(step_cost(llm), chained=chained)

@@ -13,6 +13,7 @@ from specinfer.generate import Stats, decode, generate_ids
 from specinfer.sampling import SamplingParams
 from specinfer.pipeline import Pipeline
 from specinfer.scheduler import ChainsOrTrees, Scheduler, parse_bytes
+from specinfer.serving.models import VerifyModel
 from specinfer.speculate import parse_tree
 
 PROMPTS = [[1, 294, 72, 308], [1, 5], [1] + list(range(100, 130)), [1, 33, 33, 33, 200, 17], [1, 250, 3, 99],
@@ -141,6 +142,11 @@ def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(
         assert pipe.llm.batch_sessions == [2, 3]
     finally:
         pipe.scheduler.close()
+    verify = VerifyModel(OrtRuntime(served_pair["llm"]), warm=3)   # the ensemble's llm model
+    try:
+        assert verify.runtime.batch_sessions == [2, 3]
+    finally:
+        verify.scheduler.close()
 
 
 def test_a_closed_scheduler_refuses_requests_and_no_longer_touches_the_models(models):

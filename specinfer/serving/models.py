@@ -321,13 +321,14 @@ class VerifyModel(_SequenceModel):
 
     The trees are not cut to a share of the batch here, as the fused engine's are: behind the
     ensemble a step's hops (the drafters, tree_builder, the orchestrator) cost more than the
-    verified tokens, and larger trees save hops (docs/batching.md)."""
+    verified tokens, and larger trees save hops (docs/batching.md). ``warm``: the batch sizes the
+    LLM runs at load (:class:`~specinfer.scheduler.Scheduler`'s)."""
 
     def __init__(self, runtime: Runtime, key: str | None = None, *, kv_budget: int | None = None,
-                 prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS):
+                 prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS, warm: int = 0):
         self.runtime, self.key = runtime, key
         self.scheduler = Scheduler(runtime, kv_budget=kv_budget, prefill_chunk_tokens=prefill_chunk_tokens,
-                                   max_waiting=0)
+                                   max_waiting=0, warm=warm)
         self.sequences = _Sequences()
 
     def start(self, seq_id, prefix: list[int], params: SamplingParams, max_tokens: int | None = None,

@@ -227,11 +227,12 @@ STREAM_INTERVAL = 0.05
 # a cancel stops the request's steps within this (a fused step of one sequence takes 1-3 ms).
 POLL_SECONDS = 0.02
 FUSED_SWITCH_INTERVAL = 0.001   # seconds: sys.setswitchinterval in the fused orchestrator's process
-# The fused orchestrator's scheduler runs every batch size up to this many sequences at load, so
-# that no burst of up to 16 requests waits for the LLM's sessions to open (scheduler.warm_batches).
+# The LLM's scheduler (the fused orchestrator's, the ensemble's ``llm`` model's) runs every batch
+# size up to this many sequences at load, so that no burst of up to 16 requests waits for the LLM's
+# sessions to open (scheduler.warm_batches).
 # Embedded LLM, int8 products, after the heap's free pages went back: +58 MB and 1.1 s at load
 # (warmed up to 32: +99 MB, 1.9 s; the sizes past 16 open at their first batch instead).
-FUSED_WARM_BATCHES = 16
+WARM_BATCHES = 16
 
 
 class ResponseStream:

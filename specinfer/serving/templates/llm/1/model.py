@@ -30,7 +30,7 @@ class TritonPythonModel:
                                               kv_dtype=p.get("kv_dtype", "float32"),
                                               matmul_dtype=p.get("matmul_dtype", "float32")),
                                  key=glue.caller_key(args), kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
-                                 prefill_chunk_tokens=int(p["prefill_chunk_tokens"]))
+                                 prefill_chunk_tokens=int(p["prefill_chunk_tokens"]), warm=glue.WARM_BATCHES)
         self.metrics = glue.Metrics(pb, args["model_name"], glue.metrics_seconds(p))
         self.lock = threading.Lock()
         glue.reclaim_idle(self.model, self.lock, float(p["idle_timeout"]), self.metrics)

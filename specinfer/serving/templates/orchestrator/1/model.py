@@ -58,7 +58,7 @@ class TritonPythonModel:
             scheduler = Scheduler(llm, ssms, sampling_ssms=sampling_ssms,
                                   kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                   batch_tree_tokens=int(p["batch_tree_tokens"]),
-                                  prefill_chunk_tokens=int(p["prefill_chunk_tokens"]), warm=glue.FUSED_WARM_BATCHES)
+                                  prefill_chunk_tokens=int(p["prefill_chunk_tokens"]), warm=glue.WARM_BATCHES)
             self.metrics = glue.Metrics(pb, args["model_name"], glue.metrics_seconds(p))   # what llm and ssm_<i> report otherwise
             # The scheduler's thread shares the GIL with two threads per request; after each model run
             # it waits for it at most this long (Python's default is 5 ms). Measured, 16 streams:
