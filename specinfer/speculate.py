@@ -207,6 +207,7 @@ class SSMDrafter:
         self._tree: TokenTree | None = None      # the draft awaiting commit
         self._slot: dict[int, int] = {}          # scored tree node -> its pending index in the runtime
         self.seconds = 0.0                        # what the last draft cost (see drafting)
+        self.catch_up_seconds = 0.0               # of which its prefill of a long catch-up
         self._call_seconds: dict[int, float] = {}   # a draft_chain call's seconds by its tokens (moving averages)
         self._kept = float(DYNAMIC_DEPTH)          # chain tokens the sizer keeps (moving average)
         # With a sizer: the SSM's acceptance record, and the draft's candidates as
@@ -243,9 +244,10 @@ class SSMDrafter:
         no call. Proposals carry this SSM's ``index``. ``lead``
         (dynamic tree): the expected speedup of the step's drafts that cost no model call; the
         SSM drafts only if its own drafts have been expected to do better. :attr:`seconds` is then
-        what the draft cost: its own time and its share of the drafter runs it was in.
+        what the draft cost: its own time and its share of the drafter runs it was in;
+        :attr:`catch_up_seconds` the part of it that took a long catch-up in by a prefill.
         """
-        started, self.seconds = time.perf_counter(), 0.0
+        started, self.seconds, self.catch_up_seconds = time.perf_counter(), 0.0, 0.0
         tree = yield from self._drafting(root, widths, params, rng, budget, lead)
         self.seconds += time.perf_counter() - started
         return tree
@@ -269,7 +271,9 @@ class SSMDrafter:
             return tree   # no room to even catch up: no speculation; commit keeps these as catch-up
         chain = self.catch_up + [int(root)]
         if len(self.catch_up) >= PREFILL_CATCH_UP:   # a prompt, or a long wait: in by a prefill first
+            start = time.perf_counter()
             self.runtime.prefill(self.seq, self.catch_up)
+            self.catch_up_seconds = time.perf_counter() - start
             free -= len(self.catch_up)
             chain, self.catch_up = [int(root)], []
         if self.sizer is not None or all(w == 1 for w in widths):   # a chain: in the runtime's fewest calls

@@ -264,3 +264,24 @@ def test_a_sampled_dynamic_chain_draws_as_deep_as_its_acceptance_rate_pays(expor
         assert max(sizes) == DYNAMIC_DEPTH if deep else max(sizes) <= 1
     finally:
         spec.release()
+
+
+def test_the_sizer_learns_a_drafts_cost_without_its_prefill_of_the_prompt(exported, trees_against_one_token_steps,
+                                                                          monkeypatch):
+    """A request's first draft takes its prompt into the SSM by a prefill: paid once a request
+    whatever its trees, so the sizer learns the draft's cost without it (with it, every request's
+    first draft taught it that drafting costs that much each step)."""
+    from specinfer.speculate import PREFILL_CATCH_UP
+
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    speculator = LocalSpeculator(llm, [ssm])
+    learnt = []
+    monkeypatch.setattr(speculator.sizer, "observe", lambda seconds, *args, **kw: learnt.append(seconds))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, llm.vocab_size, PREFILL_CATCH_UP + 8)]
+    speculator.start(prompt[:-1])
+    speculator.step(prompt[-1], 8)
+    drafter = speculator.drafters[0]
+    assert drafter.catch_up_seconds > 0 and len(learnt) == 1
+    assert learnt[0] == pytest.approx(drafter.seconds - drafter.catch_up_seconds, abs=1e-3)
+    assert learnt[0] < drafter.seconds - drafter.catch_up_seconds / 2
+    speculator.release()
