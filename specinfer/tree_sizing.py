@@ -88,6 +88,41 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
     return results
 
 
+def warm_shapes(runtime: Runtime, tree_sizes: Sequence[int] = (), chain_depths: Sequence[int] = (),
+                sampled: bool = False) -> None:
+    """One untimed call of every tree size and chain depth given, on a sequence made and released
+    here: an engine may plan or open something at a shape's first run (ONNX Runtime: the embedded
+    LLM's first tree of a size took 0.4-0.7 ms more than its later ones; an SSM's first chain of a
+    depth opens that depth's drafter session, 5-7 ms), which the sizer would otherwise learn as
+    what a step costs, and stop drafting for it. ``sampled``: the chains with draw noise."""
+    seq = runtime.start()
+    try:
+        runtime.prefill(seq, [0])
+        for t in tree_sizes:
+            runtime.score(seq, [0] * t, [i - 1 for i in range(t)])
+            runtime.commit(seq, [])
+        for depth in chain_depths:
+            noise = np.zeros((depth, runtime.draft_candidates), np.float32) if sampled else None
+            runtime.draft_chain(seq, [0], depth, noise)
+            runtime.commit(seq, [])
+    finally:
+        runtime.release(seq)
+
+
+_warmed: "weakref.WeakKeyDictionary[Runtime, set[bool]]" = weakref.WeakKeyDictionary()
+
+
+def warm_drafter(runtime: Runtime, sampled: bool = False) -> None:
+    """An SSM's chains of every depth run once (:func:`warm_shapes`), before its first draft for
+    a dynamic tree, whose chunks take any depth up to :attr:`~Runtime.draft_depth`: without it
+    the sizer took the first draft of each depth (7 of a request's first 40 steps here) for what
+    drafting costs."""
+    done = _warmed.setdefault(runtime, set())
+    if sampled not in done:
+        done.add(sampled)
+        warm_shapes(runtime, chain_depths=range(1, runtime.draft_depth + 1), sampled=sampled)
+
+
 def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int = 2, seed: int = 0) -> float:
     """Median wall time of one run of the runtime's drafter graph on itself: greedy incremental
     decoding of :attr:`~Runtime.draft_depth` tokens in one call (:meth:`Runtime.draft_chain`), over
@@ -133,6 +168,7 @@ class StepCost:
         sizes = [t for t in sizes if t < runtime.max_context]
         depth = runtime.draft_depth if chains(runtime) else 0
         context = max(1, min(context, runtime.max_context - max(sizes + [depth])))
+        warm_shapes(runtime, range(1, max(sizes) + 1))   # the sizes between, which decoding meets too
         rows = step_times(runtime, [context], sizes, repeats=repeats, seed=seed)
         chain = chain_seconds(runtime, context, repeats, seed=seed) if depth else 0.0
         return cls(tuple(sizes), tuple(r["median_ms"] / 1e3 for r in rows), depth, chain)

@@ -97,9 +97,10 @@ def test_a_step_that_drafts_nothing_takes_a_chain_run(pair, monkeypatch, trees_a
 
 
 @pytest.mark.parametrize("ssms", [[], ["close"]])
-def test_greedy_with_lookup_equals_incremental(pair, ssms):
+def test_greedy_with_lookup_equals_incremental(pair, ssms, trees_against_one_token_steps):
     """The dynamic tree drafting by lookup too (or only): token for token incremental decoding, and
-    copies were accepted (random models repeat themselves)."""
+    copies were accepted (random models repeat themselves; against one-token steps, as the tiny
+    LLM's chain runs beat any tree, and whether one did hung on the machine's timing)."""
     llm, drafts = pair["llm"], [pair[s] for s in ssms]
     stats = Stats()
     for prompt in PROMPTS + [[1] + [40, 41, 42, 43] * 5]:

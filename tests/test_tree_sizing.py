@@ -288,3 +288,40 @@ def test_the_sizer_learns_a_drafts_cost_without_its_prefill_of_the_prompt(export
     assert learnt[0] == pytest.approx(drafter.seconds - drafter.catch_up_seconds, abs=1e-3)
     assert learnt[0] < drafter.seconds - drafter.catch_up_seconds / 2
     speculator.release()
+
+
+def test_the_cost_table_runs_every_tree_size_up_to_its_largest_before_timing(exported, monkeypatch):
+    """An engine may plan a shape at its first run (the embedded LLM: 0.4-0.7 ms more); the sizes
+    between the measured ones meet decoding too, so the measurement runs each of them once first."""
+    rt = OrtRuntime(exported["llama3"])
+    sizes, score = [], rt.score
+    monkeypatch.setattr(rt, "score", lambda seq, tokens, parents=None: sizes.append(len(tokens)) or score(seq, tokens, parents))
+    StepCost.measure(rt, context=16, sizes=(1, 6), repeats=1)
+    first = sizes[:sizes.index(16)] if 16 in sizes else sizes   # before the timed context's prefill
+    assert first[:6] == [1, 2, 3, 4, 5, 6]
+    assert rt.sequences() == []
+
+
+def test_an_ssm_runs_every_drafter_depth_once_before_its_first_timed_draft(exported, monkeypatch):
+    """An SSM's first chain of a depth opens that depth's drafter session (5-7 ms for the embedded
+    SSM 1): the dynamic tree's drafter warms them all once per SSM and sampling kind, before its
+    clock starts, so that the sizer never learns a session's opening as a draft's cost."""
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    speculator = LocalSpeculator(llm, [ssm])
+    learnt = []
+    monkeypatch.setattr(speculator.sizer, "observe", lambda seconds, *args, **kw: learnt.append(seconds))
+    assert ssm.draft_sessions == []
+    speculator.start([1, 50, 51])
+    speculator.step(52, 16)
+    assert ssm.draft_sessions == [("draft", d) for d in range(1, ssm.draft_depth + 1)]
+    sessions = dict(ssm._draft_sessions)
+    speculator.step(speculator.last_path[-1] if speculator.last_path else 52, 16)
+    again = LocalSpeculator(llm, [ssm])
+    again.start([1, 60, 61])
+    again.step(62, 16)
+    assert ssm._draft_sessions == sessions   # once per SSM, not per step or request
+    again.release()
+    # The draft's measured seconds are its own: far below the sessions' opening.
+    assert learnt and max(s for s in learnt if s is not None) < 0.5 * sum(s for s in learnt if s is not None) + 0.02
+    speculator.release()
+    assert ssm.sequences() == [] and llm.sequences() == []

@@ -186,6 +186,7 @@ class OrtRuntime(Runtime):
 
     slot_axis = 3               # kv[layer, K|V, kv_head, slot, head_dim]
     initial_slots = 64          # a sequence's buffer doubles from here as it grows
+    spare_sequences = 2         # a request's, and the one started before its end (a scheduler's next)
 
     def __init__(self, onnx_dir: str | Path, threads: int | None = None, max_context: int | None = None,
                  kv_dtype: str = "float32", matmul_dtype: str = "float32"):
@@ -572,6 +573,11 @@ class OrtRuntime(Runtime):
         return sorted(self._batched)
 
     @property
+    def draft_sessions(self) -> list[tuple[str, int]]:
+        """The one-sequence drafters that have a session now, as (kind, steps)."""
+        return sorted(self._draft_sessions)
+
+    @property
     def batch_drafters(self) -> list[tuple[str, int, int]]:
         """The batched drafters that have a session now, as (kind, steps, batch size)."""
         return sorted(self._draft_batches)
@@ -587,6 +593,7 @@ class OrtRuntime(Runtime):
         1485-1651 tokens/s against ~4000 warm; `/tmp/s57/cold.py`). A sequence open meanwhile
         goes on with the sessions it was bound to (its bindings hold them) until it ends. The
         shared weights stay."""
+        super().trim()
         self._scratch = None
         self._draft_scratch = None
         if self.sessions_copy_weights:
