@@ -446,11 +446,10 @@ class SSMDrafter:
         if self.sizer is None or draft.candidates:   # sampled: as deep as _drawn_depth chose
             return [(i, 0) for i in range(min(keep, budget - 1))]
         reach = self._reach(draft, keep)
-        candidates = [(r, i % keep, i // keep) for i, r in enumerate(reach)]
         # Likeliest first; a child is never likelier than its parent, and at equal reach the sort
         # keeps the parent (lower depth, rank 0) first, so every kept prefix is a tree.
-        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        ranked = [c[0] for c in candidates]
+        candidates = sorted([(-r, i % keep, i // keep) for i, r in enumerate(reach)])
+        ranked = [-c[0] for c in candidates]
         # The step's overhead was measured drafting about as deep as the sizer has been keeping:
         # keeping more chain tokens (or fewer) soon drafts that much deeper (or shallower), each
         # drafted token costing about its share of a call (_token_seconds).

@@ -266,16 +266,22 @@ class TreeSizer:
         ``extra_seconds`` more per step outside the LLM (one value, or one per count of nodes: a
         drafter whose cost follows how deep it drafts). Keeping no node is a step that drafts
         nothing: where steps take chains, a chain run, if that is faster than one token."""
-        # Every step runs this on a few nodes: plain floats (a numpy call on a few numbers costs
-        # ~1 us, and this made a dozen a call).
+        # Every step runs this on a dozen or more nodes, two or three times: plain floats and the
+        # line inline (a numpy call on a few numbers costs ~1 us, and so did a method call a count:
+        # the dynamic tree's drafting spent ~40 us a step here).
+        if self._line is None:
+            self._line = self._fit()
+        intercept, slope = self._line
         per_count = not isinstance(extra_seconds, (int, float))
-        total, rates = 0.0, []
+        overhead, total, rates = self.overhead, 1.0, []
         for count in range(len(reach) + 1):
             if count:
                 total += reach[count - 1]
-            extra = extra_seconds[count] if per_count else extra_seconds
-            other = max(self.overhead + extra, 0.0)
-            rates.append((total + 1.0) / (self.llm_seconds(count + 1) + other))
+            other = overhead + (extra_seconds[count] if per_count else extra_seconds)
+            if other < 0.0:
+                other = 0.0
+            llm = intercept + slope * (count + 1)
+            rates.append(total / ((llm if llm > 1e-6 else 1e-6) + other))
             if not count and self.chain_tokens:
                 tokens = self.chain_tokens
                 rates[0] = max(rates[0], tokens / (tokens * self._chain_token_seconds + other))
