@@ -55,7 +55,7 @@ from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
 from .speculate import check_vocab, run_drafts
 from .tree import TokenTree
-from .tree_sizing import chains
+from .tree_sizing import chains, warm_shapes
 
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
 # verifies fastest with no draft at all (measured in-process, embedded models, 16 streams: 808
@@ -546,21 +546,8 @@ def warm_batches(runtime: Runtime, most: int) -> None:
     and released here: an engine may open a session for a batch size at its first run (ONNX
     Runtime: ~0.1 s each for the embedded LLM), which a burst of requests would otherwise wait for
     (16 streams: 0.61 s). ~1.2 s for sizes up to 16 here."""
-    seqs = [runtime.start() for _ in range(max(most, 0))]
-    try:
-        for seq in seqs:
-            runtime.prefill(seq, [0])
-        for n in range(2, most + 1):
-            runtime.score_batch([(seq, [0], None) for seq in seqs[:n]])
-            for seq in seqs[:n]:
-                runtime.commit(seq, [])
-            if chains(runtime):
-                runtime.draft_chains([(seq, [0], runtime.draft_depth, None) for seq in seqs[:n]])
-                for seq in seqs[:n]:
-                    runtime.commit(seq, [])
-    finally:
-        for seq in seqs:
-            runtime.release(seq)
+    warm_shapes(runtime, tree_sizes=[1], chain_depths=[runtime.draft_depth] if chains(runtime) else [],
+                batch_sizes=range(2, most + 1))
 
 
 def _return_free_heap() -> None:

@@ -89,24 +89,31 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
 
 
 def warm_shapes(runtime: Runtime, tree_sizes: Sequence[int] = (), chain_depths: Sequence[int] = (),
-                sampled: bool = False) -> None:
-    """One untimed call of every tree size and chain depth given, on a sequence made and released
-    here: an engine may plan or open something at a shape's first run (ONNX Runtime: the embedded
-    LLM's first tree of a size took 0.4-0.7 ms more than its later ones; an SSM's first chain of a
-    depth opens that depth's drafter session, 5-7 ms), which the sizer would otherwise learn as
-    what a step costs, and stop drafting for it. ``sampled``: the chains with draw noise."""
-    seq = runtime.start()
+                sampled: bool = False, batch_sizes: Sequence[int] = (1,)) -> None:
+    """One untimed run of every tree size and chain depth given, for each batch size given (that
+    many sequences in one :meth:`~Runtime.score_batch` or :meth:`~Runtime.draft_chains` call), on
+    sequences of one token made and released here: an engine may plan or open something at a
+    shape's first run (ONNX Runtime: the embedded LLM's first tree of a size took 0.4-0.7 ms more
+    than its later ones; an SSM's first chain of a depth opens that depth's drafter session, 5-7 ms;
+    a batch size its own session, ~0.1 s), which the sizer would otherwise learn as what a step
+    costs, or a burst of requests wait for. ``sampled``: the chains with draw noise."""
+    seqs = [runtime.start() for _ in range(max(batch_sizes, default=0))]
     try:
-        runtime.prefill(seq, [0])
-        for t in tree_sizes:
-            runtime.score(seq, [0] * t, [i - 1 for i in range(t)])
-            runtime.commit(seq, [])
-        for depth in chain_depths:
-            noise = np.zeros((depth, runtime.draft_candidates), np.float32) if sampled else None
-            runtime.draft_chain(seq, [0], depth, noise)
-            runtime.commit(seq, [])
+        for seq in seqs:
+            runtime.prefill(seq, [0])
+        for n in batch_sizes:
+            for t in tree_sizes:
+                runtime.score_batch([(seq, [0] * t, [i - 1 for i in range(t)]) for seq in seqs[:n]])
+                for seq in seqs[:n]:
+                    runtime.commit(seq, [])
+            for depth in chain_depths:
+                noise = np.zeros((depth, runtime.draft_candidates), np.float32) if sampled else None
+                runtime.draft_chains([(seq, [0], depth, noise) for seq in seqs[:n]])
+                for seq in seqs[:n]:
+                    runtime.commit(seq, [])
     finally:
-        runtime.release(seq)
+        for seq in seqs:
+            runtime.release(seq)
 
 
 _warmed: "weakref.WeakKeyDictionary[Runtime, set[bool]]" = weakref.WeakKeyDictionary()

@@ -294,8 +294,9 @@ def test_the_cost_table_runs_every_tree_size_up_to_its_largest_before_timing(exp
     """An engine may plan a shape at its first run (the embedded LLM: 0.4-0.7 ms more); the sizes
     between the measured ones meet decoding too, so the measurement runs each of them once first."""
     rt = OrtRuntime(exported["llama3"])
-    sizes, score = [], rt.score
-    monkeypatch.setattr(rt, "score", lambda seq, tokens, parents=None: sizes.append(len(tokens)) or score(seq, tokens, parents))
+    sizes, score_batch = [], rt.score_batch   # every tree call, not the prefills (last logits only)
+    monkeypatch.setattr(rt, "score_batch", lambda calls: sizes.extend(len(c[1]) for c in calls if len(c) == 3)
+                        or score_batch(calls))
     StepCost.measure(rt, context=16, sizes=(1, 6), repeats=1)
     first = sizes[:sizes.index(16)] if 16 in sizes else sizes   # before the timed context's prefill
     assert first[:6] == [1, 2, 3, 4, 5, 6]
