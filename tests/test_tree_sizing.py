@@ -178,6 +178,27 @@ def test_drafting_stops_where_it_does_not_pay_and_tries_again():
     assert [record.drafting_pays() for _ in range(2)] == [False, True]   # the wait starts short again
 
 
+def test_the_wait_between_tries_stops_growing_at_its_most(exported):
+    """Greedy records wait at most RETRY[1] steps between tries, sampled ones SAMPLED_MOST_WAIT."""
+    rt = OrtRuntime(exported["llama3"])
+
+    def waits(record, tries):
+        record.expect(0.5)
+        steps, gaps, last = 0, [], 0
+        while len(gaps) < tries:
+            steps += 1
+            if record.drafting_pays():
+                gaps.append(steps - last)
+                last = steps
+        return gaps
+
+    most = Acceptance.RETRY[1]
+    greedy = waits(acceptance(rt, SamplingParams()), 9)
+    assert max(greedy) == most and greedy[-3:] == [most] * 3
+    sampled = waits(acceptance(rt, SamplingParams(temperature=0.7)), 12)
+    assert max(sampled) == Acceptance.SAMPLED_MOST_WAIT > most and sampled[-2:] == [Acceptance.SAMPLED_MOST_WAIT] * 2
+
+
 def test_an_ssm_gives_way_to_a_better_free_draft():
     record = Acceptance()
     record.expect(1.3)
