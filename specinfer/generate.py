@@ -149,7 +149,7 @@ class LocalSpeculator:
         if tree is not None and not tree:   # "none": incremental decoding, no drafter at all
             ssms = ()
         # Greedy incremental decoding takes several steps in one LLM run where the engine can: its
-        # drafter graph on the LLM itself (Runtime.draft_chain), each step's argmax fed to the next
+        # drafter graph on the LLM itself (Runtime.decode_chain), each step's argmax fed to the next
         # inside the run, so no Python runs between them (and no cache-cold Python: ~100 us a step
         # here, after a run has swept the caches). Same tokens, 1.06x the tokens/s on 16 of
         # aiohttp's prompts. A speculative request's step that drafts nothing takes such a run too,
@@ -203,7 +203,7 @@ class LocalSpeculator:
             depth = self.chain_instead(tree, budget)
         if depth is not None:
             start = time.perf_counter()
-            chain = self.llm.draft_chain(self.seq, [root], depth).tokens
+            chain = self.llm.decode_chain(self.seq, [root], depth)
             return self.settle_chain(root, chain, time.perf_counter() - start)
         start = time.perf_counter()
         logits = self.llm.score(self.seq, tree.tokens, tree.parents)
@@ -211,7 +211,7 @@ class LocalSpeculator:
 
     def chain_depth(self, budget: int, share: int | None = None) -> int | None:
         """Tokens the next step takes in one LLM run of greedy incremental decoding (the LLM's
-        :meth:`~specinfer.engines.runtime.Runtime.draft_chain` from the root), or None where it
+        :meth:`~specinfer.engines.runtime.Runtime.decode_chain` from the root), or None where it
         verifies a tree (or takes one token). ``budget``: the nodes the step may take (the
         context's room included); ``share``: the tree nodes a scheduler's batch leaves it, where
         1 means no draft: then a greedy request that drafts chains too, its drafters catching up

@@ -501,14 +501,14 @@ class Scheduler:
         """Greedy steps of several tokens each, ``(job, tokens)``: incremental requests', those of
         requests whose drafts the batch's share leaves no room for (``LocalSpeculator.chain_depth``)
         and those whose drafters drafted nothing (``LocalSpeculator.chain_instead``),
-        every sequence's in one LLM run (:meth:`~specinfer.engines.runtime.Runtime.draft_chains`),
+        every sequence's in one LLM run (:meth:`~specinfer.engines.runtime.Runtime.decode_chains`),
         as an incremental request alone takes them (``LocalSpeculator.step``): a batch of one-token
         steps pays the run's fixed cost and this thread's Python for every token (measured: 16
         sequences at a context of 100, 8 tokens each in one run 1.22x the tokens/s of 8 batches of
         one token). A request that arrives meanwhile waits for that run (~8 tokens' time), then
         joins the next. Returns the tokens the steps made."""
-        calls = [(job.spec.local.seq, [job.root], depth, None) for job, depth in steps]
-        chains = each_or_its_error(self.llm.draft_chains, calls)
+        calls = [(job.spec.local.seq, [job.root], depth) for job, depth in steps]
+        chains = each_or_its_error(self.llm.decode_chains, calls)
         seconds = time.perf_counter() - t0
         self.seconds["llm"] += seconds
         verified = []
@@ -517,7 +517,7 @@ class Scheduler:
                 job.finish(error=chain)
                 continue
             try:
-                verified.append((job, job.spec.local.settle_chain(job.root, chain.tokens, seconds)))
+                verified.append((job, job.spec.local.settle_chain(job.root, chain, seconds)))
             except Exception as e:  # noqa: BLE001
                 job.finish(error=e)
         self._settle(verified)
@@ -547,7 +547,7 @@ def warm_batches(runtime: Runtime, most: int) -> None:
     Runtime: ~0.1 s each for the embedded LLM), which a burst of requests would otherwise wait for
     (16 streams: 0.61 s). ~1.2 s for sizes up to 16 here."""
     warm_shapes(runtime, tree_sizes=[1], chain_depths=[runtime.draft_depth] if chains(runtime) else [],
-                batch_sizes=range(2, most + 1))
+                batch_sizes=range(2, most + 1), decoding=True)
 
 
 def _return_free_heap() -> None:

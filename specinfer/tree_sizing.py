@@ -89,14 +89,15 @@ def step_times(runtime: Runtime, contexts: Sequence[int], tree_sizes: Sequence[i
 
 
 def warm_shapes(runtime: Runtime, tree_sizes: Sequence[int] = (), chain_depths: Sequence[int] = (),
-                sampled: bool = False, batch_sizes: Sequence[int] = (1,)) -> None:
+                sampled: bool = False, batch_sizes: Sequence[int] = (1,), decoding: bool = False) -> None:
     """One untimed run of every tree size and chain depth given, for each batch size given (that
     many sequences in one :meth:`~Runtime.score_batch` or :meth:`~Runtime.draft_chains` call), on
     sequences of one token made and released here: an engine may plan or open something at a
     shape's first run (ONNX Runtime: the embedded LLM's first tree of a size took 0.4-0.7 ms more
     than its later ones; an SSM's first chain of a depth opens that depth's drafter session, 5-7 ms;
     a batch size its own session, ~0.1 s), which the sizer would otherwise learn as what a step
-    costs, or a burst of requests wait for. ``sampled``: the chains with draw noise."""
+    costs, or a burst of requests wait for. ``sampled``: the chains with draw noise; ``decoding``:
+    greedy incremental decoding's chains (:meth:`~Runtime.decode_chains`), not drafts."""
     seqs = [runtime.start() for _ in range(max(batch_sizes, default=0))]
     try:
         for seq in seqs:
@@ -107,8 +108,11 @@ def warm_shapes(runtime: Runtime, tree_sizes: Sequence[int] = (), chain_depths: 
                 for seq in seqs[:n]:
                     runtime.commit(seq, [])
             for depth in chain_depths:
-                noise = np.zeros((depth, runtime.draft_candidates), np.float32) if sampled else None
-                runtime.draft_chains([(seq, [0], depth, noise) for seq in seqs[:n]])
+                if decoding:
+                    runtime.decode_chains([(seq, [0], depth) for seq in seqs[:n]])
+                else:
+                    noise = np.zeros((depth, runtime.draft_candidates), np.float32) if sampled else None
+                    runtime.draft_chains([(seq, [0], depth, noise) for seq in seqs[:n]])
                 for seq in seqs[:n]:
                     runtime.commit(seq, [])
     finally:
@@ -132,7 +136,7 @@ def warm_drafter(runtime: Runtime, sampled: bool = False) -> None:
 
 def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int = 2, seed: int = 0) -> float:
     """Median wall time of one run of the runtime's drafter graph on itself: greedy incremental
-    decoding of :attr:`~Runtime.draft_depth` tokens in one call (:meth:`Runtime.draft_chain`), over
+    decoding of :attr:`~Runtime.draft_depth` tokens in one call (:meth:`Runtime.decode_chain`), over
     a cache of ``context`` tokens (discarded after each run)."""
     rng = np.random.default_rng(seed)
     seq = runtime.start()
@@ -141,7 +145,7 @@ def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int
         runtime.prefill(seq, rng.integers(0, runtime.vocab_size, context))
         for round_ in range(warm_up + repeats):
             start = time.perf_counter()
-            runtime.draft_chain(seq, [int(rng.integers(0, runtime.vocab_size))], runtime.draft_depth)
+            runtime.decode_chain(seq, [int(rng.integers(0, runtime.vocab_size))], runtime.draft_depth)
             if round_ >= warm_up:
                 times.append(time.perf_counter() - start)
             runtime.commit(seq, [])

@@ -431,6 +431,54 @@ def test_many_sequences_drafts_in_one_call_are_each_ones_draft_alone(exported):
     assert rt.draft_chains([(other, [7], 2, None), (seq, [7], 2, None)])[0].tokens == roomy.tokens[:2]
 
 
+@pytest.mark.parametrize("drafter_node", [True, False])
+def test_decoding_chains_are_the_drafters_greedy_tokens_from_a_graph_without_probabilities(exported, drafter_node,
+                                                                                          monkeypatch):
+    """Greedy incremental decoding's chains (decode_chain, decode_chains) run the greedy drafter
+    cut to its tokens: the mass's softmax sums over every step's logits are gone, and the tokens,
+    alone and several sequences in one run, are draft_chain's bit for bit, as is the cache after
+    commit (the next scores equal); with the drafter as one native node or as ONNX Runtime's graph
+    (a model too large for the node)."""
+    import onnx
+
+    from specinfer.engines import native
+    from specinfer.export.ort_lowering import tokens_only, truncate_drafter
+
+    if not drafter_node:
+        monkeypatch.setattr(native, "DRAFT_CHAIN_MAX_WEIGHTS", -1)
+
+    graph = truncate_drafter(onnx.load(exported["llama3"] / "draft.ort.onnx", load_external_data=False), 3)
+    cut = tokens_only(graph)
+    ops = lambda g: {node.op_type for node in g.graph.node}
+    assert {"Exp", "ReduceSum"} <= ops(graph) and not {"Exp", "ReduceSum"} & ops(cut)
+    assert [o.name for o in cut.graph.output] == [o.name for o in graph.graph.output
+                                                 if o.name not in ("draft_logits", "draft_mass")]
+    rt = OrtRuntime(exported["llama3"])
+    d = rt.draft_depth
+    calls = [((PROMPT * 2)[:6 + 3 * i], [7, 8][:1 + i % 2], [d, 3, 2][i]) for i in range(3)]
+    results = []
+    for decoding in (False, True):
+        seqs = [rt.start() for _ in calls]
+        for seq, (prompt, *_) in zip(seqs, calls):
+            rt.prefill(seq, prompt)
+        chains = [(seq, tokens, depth) for seq, (_, tokens, depth) in zip(seqs, calls)]
+        alone = rt.decode_chain(*chains[0]) if decoding else rt.draft_chain(*chains[0]).tokens
+        rt.commit(seqs[0], [])
+        together = (rt.decode_chains(chains) if decoding
+                    else [draft.tokens for draft in rt.draft_chains([(*c, None) for c in chains])])
+        after = []
+        for seq, tokens, (_, fed, _) in zip(seqs, together, calls):
+            rt.commit(seq, range(len(fed) + 1))
+            after.append(rt.score(seq, [tokens[1]]))
+            rt.release(seq)
+        results.append((alone, together, after))
+    (alone, together, after), (decoded_alone, decoded, decoded_after) = results
+    assert decoded_alone == alone == together[0] and decoded == together
+    assert [len(t) for t in decoded] == [depth for *_, depth in calls]
+    assert all(np.array_equal(a, b) for a, b in zip(after, decoded_after))
+    assert ("chain", d) in rt.draft_sessions and ("chain", d, 3) in rt.batch_drafters
+
+
 def test_draft_chain_continues_only_a_chain(exported):
     rt = OrtRuntime(exported["llama3"])
     seq = rt.start()

@@ -129,7 +129,7 @@ def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(
     scheduler = Scheduler(llm, warm=6, max_batch=4)
     try:
         assert llm.batch_sessions == [2, 3, 4]     # up to max_batch
-        assert sorted(size for kind, _, size in llm.batch_drafters if kind == "draft") == [2, 3, 4]
+        assert sorted(size for kind, _, size in llm.batch_drafters if kind == "chain") == [2, 3, 4]   # decoding's
         assert llm.sequences() == []               # the warm-up's sequences are gone
         sessions = dict(llm._batched)
         want = [alone(llm, p, 12) for p in PROMPTS[:3]]
@@ -243,14 +243,14 @@ def test_requests_left_no_tree_take_chains_together_and_their_drafters_catch_up_
     take several tokens a step, every sequence's in one LLM run of chains; once fewer run they draft
     again, their SSMs and lookup caught up on the chains: the tokens are each request's alone."""
     llm, ssms = models
-    chains, original = [], llm.draft_chains
-    llm.draft_chains = lambda calls: chains.append(len(calls)) or original(calls)
+    chains, original = [], llm.decode_chains
+    llm.decode_chains = lambda calls: chains.append(len(calls)) or original(calls)
     try:
         scheduler = Scheduler(llm, ssms, batch_tree_tokens=4, gather_seconds=0.01)   # 8 requests: 1 node each
         n = 40
         got = run_together(scheduler, PROMPTS, n, tree=parse_tree(tree), lookup=tree == "dynamic")
     finally:
-        del llm.draft_chains
+        del llm.decode_chains
     assert got == [alone(llm, p, n) for p in PROMPTS]
     assert max(chains) > 1                                 # many sequences' chains in one run
     assert scheduler.reserved == 0 and all(rt.sequences() == [] for rt in [llm] + ssms)
@@ -263,8 +263,8 @@ def test_steps_whose_drafters_draft_nothing_take_chains_where_no_tree_is_verifie
 
     llm, ssms = models
     monkeypatch.setattr(Acceptance, "drafting_pays", lambda self, lead=0.0: False)
-    chains, original = [], llm.draft_chains
-    monkeypatch.setattr(llm, "draft_chains", lambda calls: chains.append(len(calls)) or original(calls))
+    chains, original = [], llm.decode_chains
+    monkeypatch.setattr(llm, "decode_chains", lambda calls: chains.append(len(calls)) or original(calls))
     scheduler = Scheduler(llm, ssms, gather_seconds=0.01)
     n = 40
     got = run_together(scheduler, PROMPTS[:4], n, tree=None, lookup=False)
@@ -299,8 +299,8 @@ def test_a_batch_of_greedy_speculative_requests_goes_the_way_chosen_for_its_size
     llm, ssms = models
     monkeypatch.setattr(ChainsOrTrees, "chains", lambda self, size: way == "chains")
     chains, drafts, trees = [], [], []
-    chain_runs, drafter_runs, score = llm.draft_chains, ssms[0].draft_chains, llm.score_batch
-    monkeypatch.setattr(llm, "draft_chains", lambda calls: chains.append(len(calls)) or chain_runs(calls))
+    chain_runs, drafter_runs, score = llm.decode_chains, ssms[0].draft_chains, llm.score_batch
+    monkeypatch.setattr(llm, "decode_chains", lambda calls: chains.append(len(calls)) or chain_runs(calls))
     monkeypatch.setattr(ssms[0], "draft_chains", lambda calls: drafts.append(len(calls)) or drafter_runs(calls))
     monkeypatch.setattr(llm, "score_batch", lambda calls: trees.append(sum(len(c[1]) > 1 for c in calls if len(c) == 3))
                         or score(calls))
@@ -343,7 +343,7 @@ def test_after_chained_steps_a_request_drafts_as_one_that_had_seen_every_token(m
     for _ in range(2):   # two chains in a row, as under load
         depth = chained.chain_depth(budget=16, share=1)
         assert depth == llm.draft_depth and chained.chain_depth(budget=16, share=4) is None
-        path, root = chained.settle_chain(root, llm.draft_chain(chained.seq, [root], depth).tokens, 0.0)
+        path, root = chained.settle_chain(root, llm.decode_chain(chained.seq, [root], depth), 0.0)
         seen += path
     fresh = LocalSpeculator(llm, ssms, tree=tree, lookup=True)
     fresh.start(seen)
@@ -405,7 +405,7 @@ def test_long_prompts_go_in_by_chunks_while_others_step(models):
     scheduler = Scheduler(llm, ssms[:1], gather_seconds=0.01, prefill_chunk_tokens=chunk)
     batches = []   # per LLM scoring call: its batch, the prompt tokens in it, whether it verified steps too
     chained = set()   # the batches that ran chains
-    score, chains = llm.score_batch, llm.draft_chains
+    score, chains = llm.score_batch, llm.decode_chains
 
     def spy(calls):
         batches.append((scheduler.batches, sum(len(call[1]) for call in calls if call[2] is None),
@@ -415,7 +415,7 @@ def test_long_prompts_go_in_by_chunks_while_others_step(models):
     def chain_spy(calls):
         chained.add(scheduler.batches)
         return chains(calls)
-    llm.score_batch, llm.draft_chains = spy, chain_spy
+    llm.score_batch, llm.decode_chains = spy, chain_spy
     n = 240
     try:
         got: dict = {}
@@ -434,7 +434,7 @@ def test_long_prompts_go_in_by_chunks_while_others_step(models):
         for t in threads:
             t.join(120)
     finally:
-        del llm.score_batch, llm.draft_chains
+        del llm.score_batch, llm.decode_chains
     assert short == [alone(llm, p, n) for p in PROMPTS[:3]]
     assert [got[i] for i in range(2)] == [alone(llm, p, 20, ssms=ssms[:1], tree=[1, 1]) for p in long_prompts]
     per_token = lambda batch: llm.draft_depth if batch in chained else 1

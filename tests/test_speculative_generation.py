@@ -82,7 +82,7 @@ def test_a_step_that_drafts_nothing_takes_a_chain_run(pair, monkeypatch, trees_a
     for prompt in PROMPTS:
         want = tokens(llm, prompt, n=60, eos=None)
         with monkeypatch.context() as m:
-            m.setattr(llm, "draft_chain", lambda seq, t, depth, *a, f=llm.draft_chain: runs.append(depth) or f(seq, t, depth, *a))
+            m.setattr(llm, "decode_chain", lambda seq, t, depth, f=llm.decode_chain: runs.append(depth) or f(seq, t, depth))
             m.setattr(llm, "score", lambda seq, t, *a, f=llm.score: trees.append(len(t)) or f(seq, t, *a))
             stats = Stats()
             assert tokens(llm, prompt, n=60, eos=None, ssms=[close], stats=stats) == want
@@ -90,7 +90,7 @@ def test_a_step_that_drafts_nothing_takes_a_chain_run(pair, monkeypatch, trees_a
         assert any(t > 1 for t in trees)    # and the other steps verified the SSM's drafts
         runs.clear(), trees.clear()
         with monkeypatch.context() as m:
-            m.setattr(llm, "draft_chain", lambda *a: runs.append(a))
+            m.setattr(llm, "decode_chain", lambda *a: runs.append(a))
             tokens(llm, prompt, n=20, ssms=[close], params=SamplingParams(temperature=1.0, seed=1))
         assert runs == []
     assert llm.sequences() == [] and close.sequences() == []
@@ -155,7 +155,7 @@ def test_incremental_steps_taken_several_in_one_run_are_the_llms_greedy_decoding
     llm = pair["llm"]
     assert llm.draft_depth > 1
     runs, scored = [], []
-    monkeypatch.setattr(llm, "draft_chain", lambda seq, t, depth, *a, f=llm.draft_chain: runs.append(depth) or f(seq, t, depth, *a))
+    monkeypatch.setattr(llm, "decode_chain", lambda seq, t, depth, f=llm.decode_chain: runs.append(depth) or f(seq, t, depth))
     monkeypatch.setattr(llm, "score", lambda seq, t, *a, f=llm.score: scored.append(len(t)) or f(seq, t, *a))
     for prompt in PROMPTS:
         for n in (1, 2, 5, llm.draft_depth, 40):

@@ -231,6 +231,7 @@ class OrtRuntime(Runtime):
                           for i in range(config.num_layers)]
         # The drafters (greedy and sampled), each opened at its first draft: a target LLM never drafts.
         self._drafters = {"draft": self.manifest.get("draft_onnx"), "sampled_draft": self.manifest.get("sampled_draft_onnx")}
+        self._drafters["chain"] = self._drafters["draft"]   # greedy decoding's chains: its tokens only
         self.draft_depth = self.manifest.get("draft_depth", 1) if self._drafters["draft"] else 1
         self.draft_candidates = self.manifest.get("draft_candidates", self.draft_candidates)
         self.draft_vocab = read_draft_vocab(self.dir, config.vocab_size)   # its drafters score these only
@@ -243,11 +244,12 @@ class OrtRuntime(Runtime):
         self._batched: dict[int, tuple[object, _Binding, dict]] = {}
         self._scratch: SequenceState | None = None   # the spare slots' cache
 
-    def _open(self, graph):
+    def _open(self, graph, tokens_only: bool = False):
         """A session of ``graph``, the lowering or a rewrite of it made here (its weights are the
         export's file), on the native kernels where they run (:mod:`~specinfer.engines.native`):
         a small model's drafter as one node, MatMuls by float16-exact weights (with the residual norms
-        and the MLP's activation inside them), and the attention, over float16 caches where asked."""
+        and the MLP's activation inside them), and the attention, over float16 caches where asked.
+        ``tokens_only``: a greedy drafter that decodes, its probabilities cut away."""
         library = native.library()
         half = self.kv_dtype == np.float16
         if library is not None:
@@ -261,6 +263,10 @@ class OrtRuntime(Runtime):
             graph = native.use_f16_kv(graph)
             if graph is None:
                 raise SpecInferError(f"{self.dir}: this model's attention cannot run on float16 KV caches; use float32")
+        if tokens_only:   # after the native drafter node took the whole drafter, if it did
+            from ..export.ort_lowering import tokens_only as cut_to_tokens
+
+            graph = cut_to_tokens(graph)
         ops = native.native_ops(graph)
         self.native_ops |= ops
         self.sessions_copy_weights = self.sessions_copy_weights or copies_weights(graph)
@@ -326,10 +332,18 @@ class OrtRuntime(Runtime):
         """One session run of the export's drafter (``draft.ort.onnx``, or ``draft_sampled.ort.onnx``
         given ``noise``), cut to the ``depth`` steps asked (:func:`truncate_drafter`), when it fits;
         else one Runtime call per token (the base class)."""
+        return self._chain(seq_id, tokens, depth, noise, "draft" if noise is None else "sampled_draft")
+
+    def decode_chain(self, seq_id, tokens, depth: int) -> list[int]:
+        """:meth:`draft_chain`'s greedy tokens from the greedy drafter cut to its tokens
+        (:func:`~specinfer.export.ort_lowering.tokens_only`)."""
+        return self._chain(seq_id, tokens, depth, None, "chain").tokens
+
+    def _chain(self, seq_id, tokens, depth: int, noise: np.ndarray | None, kind: str) -> ChainDraft:
+        """One sequence's chain by the drafter of ``kind`` where it fits, else the base class's."""
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        kind = self._drafter_fits(seq, tokens, depth, depth, noise)
-        if kind is None:
+        if not self._drafter_fits(seq, tokens, depth, depth, noise, kind):
             return super().draft_chain(seq_id, tokens, depth, noise)
         self._before_draft(seq_id, seq, tokens, depth)
         if (kind, depth) not in seq.bindings:
@@ -348,7 +362,7 @@ class OrtRuntime(Runtime):
         outputs = binding.outputs_of(self._draft_outputs(kind, depth))
         binding.session.run_with_iobinding(binding.io)
         self._after_draft(seq, len(tokens), depth)
-        return _chain_draft(*(o[0] for o in outputs), depth, sampled=noise is not None)
+        return _chain_draft([o[0] for o in outputs], depth, sampled=noise is not None)
 
     def draft_chains(self, calls) -> list[ChainDraft]:
         """Several sequences' chains in one run of the drafter rewritten for that many sequences
@@ -356,39 +370,44 @@ class OrtRuntime(Runtime):
         drafted as deep as the deepest of its kind (the extra tokens are left pending, which the
         contract allows). A call that does not fit the drafter runs alone (:meth:`draft_chain`).
         A bad call fails the batch before any sequence changes."""
+        return self._chains(calls, decoding=False)
+
+    def decode_chains(self, calls) -> list[list[int]]:
+        """:meth:`draft_chains` of greedy chains, their tokens only, from the drafter cut to them."""
+        return [draft.tokens for draft in self._chains([(*call, None) for call in calls], decoding=True)]
+
+    def _chains(self, calls, decoding: bool) -> list[ChainDraft]:
+        def kind_of(noise) -> str:
+            return "chain" if decoding else "draft" if noise is None else "sampled_draft"
+
         if len(calls) == 1:   # one sequence (decoding alone): no batch to group or check
-            return [self.draft_chain(*calls[0])]
+            return [self._chain(*calls[0], kind_of(calls[0][3]))]
         self._check_distinct(calls)
         for seq_id, tokens, _, _ in calls:
             self._check_pending_chain(seq_id)
             self._check_tokens(np.asarray(tokens, dtype=np.int64).reshape(-1))
-        depth = {kind: max((c[2] for c in calls if (c[3] is None) == (kind == "draft")), default=0)
-                 for kind in ("draft", "sampled_draft")}
-        groups: dict[str, list[int]] = {"draft": [], "sampled_draft": []}
+        groups: dict[str, list[int]] = {}
+        for i, call in enumerate(calls):
+            groups.setdefault(kind_of(call[3]), []).append(i)
+        depth = {kind: max(calls[i][2] for i in members) for kind, members in groups.items()}
         out: list = [None] * len(calls)
-        for i, (seq_id, tokens, d, noise) in enumerate(calls):
-            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-            kind = "draft" if noise is None else "sampled_draft"
-            if self._drafter_fits(self._get(seq_id), tokens, d, depth[kind], noise) is not None:
-                groups[kind].append(i)
         for kind, members in groups.items():
+            members = [i for i in members if self._drafter_fits(
+                self._get(calls[i][0]), np.asarray(calls[i][1]).reshape(-1), calls[i][2], depth[kind], calls[i][3], kind)]
             if len(members) < 2:
                 continue
             for first in range(0, len(members), BATCH_SIZES[-1]):
                 chunk = members[first:first + BATCH_SIZES[-1]]
                 for i, draft in zip(chunk, self._draft_batch(kind, [calls[i] for i in chunk], depth[kind])):
                     out[i] = draft
-        return [draft if draft is not None else self.draft_chain(*call) for draft, call in zip(out, calls)]
+        return [draft if draft is not None else self._chain(*call, kind_of(call[3])) for draft, call in zip(out, calls)]
 
     def _drafter_fits(self, seq: SequenceState, tokens: np.ndarray, depth: int, run_depth: int,
-                      noise: np.ndarray | None) -> str | None:
-        """The drafter that drafts this chain in one run of ``run_depth`` steps (None: none does)."""
-        kind = "draft" if noise is None else "sampled_draft"
-        if (self._drafters.get(kind) is None or not 1 <= depth <= run_depth <= self.draft_depth
-                or seq.length + seq.pending + len(tokens) + run_depth - 1 > seq.limit
-                or (noise is not None and noise.shape[1] != self.draft_candidates)):
-            return None
-        return kind
+                      noise: np.ndarray | None, kind: str) -> bool:
+        """Whether the drafter of ``kind`` drafts this chain in one run of ``run_depth`` steps."""
+        return not (self._drafters.get(kind) is None or not 1 <= depth <= run_depth <= self.draft_depth
+                    or seq.length + seq.pending + len(tokens) + run_depth - 1 > seq.limit
+                    or (noise is not None and noise.shape[1] != self.draft_candidates))
 
     def _before_draft(self, seq_id, seq: SequenceState, tokens: np.ndarray, run_depth: int) -> None:
         self._grow(seq, seq.length + seq.pending + len(tokens) + run_depth - 1)
@@ -404,7 +423,10 @@ class OrtRuntime(Runtime):
 
     def _draft_outputs(self, kind: str, rows: int) -> tuple:
         """A drafter's outputs for ``rows`` (steps x sequences): greedy, each step's two likeliest
-        tokens, their logits and its mass; sampled, its candidates, their logits and the draw."""
+        tokens, their logits and its mass (decoding: the tokens alone); sampled, its candidates,
+        their logits and the draw."""
+        if kind == "chain":
+            return (("draft_tokens", (1, rows, 2), np.int64),)
         if kind == "draft":
             k, last = 2, ("draft_mass", (1, rows, 1), np.float32)
         else:
@@ -427,7 +449,7 @@ class OrtRuntime(Runtime):
         key = (kind, depth, size)
         entry = self._draft_batches.get(key)   # (read once: a trim may clear the dict meanwhile)
         if entry is None:
-            session = self._open(batch_drafter(self._draft_graph(kind, depth), size))
+            session = self._open(batch_drafter(self._draft_graph(kind, depth), size), tokens_only=kind == "chain")
             entry = self._draft_batches[key] = (session, _Binding(session), {})
         _, binding, bound = entry
         slots = _bind_slots(binding.io, bound, seqs, scratch, size, lambda slot: (
@@ -456,13 +478,13 @@ class OrtRuntime(Runtime):
         for seq, chain, slot, (_, _, d, _) in zip(seqs, chains, slots, calls):
             self._after_draft(seq, len(chain), depth)
             rows = [o[0].reshape(depth, size, -1)[:d, slot] for o in outputs]
-            drafts.append(_chain_draft(*rows, d, sampled=kind == "sampled_draft"))
+            drafts.append(_chain_draft(rows, d, sampled=kind == "sampled_draft"))
         return drafts
 
     def _draft_session(self, kind: str, steps: int):
         """The drafter of ``kind`` cut to ``steps`` steps, opened at its first use."""
         if (kind, steps) not in self._draft_sessions:
-            self._draft_sessions[kind, steps] = self._open(self._draft_graph(kind, steps))
+            self._draft_sessions[kind, steps] = self._open(self._draft_graph(kind, steps), tokens_only=kind == "chain")
         return self._draft_sessions[kind, steps]
 
     def _draft_graph(self, kind: str, steps: int):
@@ -471,6 +493,7 @@ class OrtRuntime(Runtime):
 
         from ..export.ort_lowering import truncate_drafter
 
+        kind = "draft" if kind == "chain" else kind   # decoding's chains: the greedy drafter, cut at _open
         if kind not in self._draft_graphs:
             self._draft_graphs[kind] = onnx.load(self.dir / self._drafters[kind], load_external_data=False)
         return truncate_drafter(self._draft_graphs[kind], steps)
@@ -692,12 +715,14 @@ def _bind_slots(io, bound: dict, seqs: list[SequenceState], spare: SequenceState
     return slots
 
 
-def _chain_draft(drafted: np.ndarray, top: np.ndarray, last: np.ndarray, depth: int, sampled: bool) -> ChainDraft:
+def _chain_draft(outputs: list[np.ndarray], depth: int, sampled: bool) -> ChainDraft:
     """A drafter's outputs for one sequence (rows: its steps; read before the next run) as a
     :class:`ChainDraft` of its first ``depth`` steps: greedy, the two likeliest tokens and their
-    probabilities from their logits and the mass; sampled, the candidates, their logits and the
-    token drawn."""
-    drafted, top, last = drafted[:depth], top[:depth], last[:depth, 0]
+    probabilities from their logits and the mass (decoding's drafter: the tokens alone); sampled,
+    the candidates, their logits and the token drawn."""
+    if len(outputs) == 1:
+        return ChainDraft(outputs[0][:depth, 0].tolist(), [], [], [], [], [])
+    drafted, top, last = outputs[0][:depth], outputs[1][:depth], outputs[2][:depth, 0]
     if sampled:
         return ChainDraft(drafted[np.arange(depth), last].tolist(), [], [], [], list(drafted.copy()), list(top.copy()))
     probability = np.exp(top - top[:, :1]) / last[:, None]

@@ -360,6 +360,17 @@ class Runtime(abc.ABC):
         self._check_distinct(calls)
         return [self.draft_chain(*call) for call in calls]
 
+    def decode_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int) -> list[int]:
+        """Greedy incremental decoding of ``depth`` tokens after ``tokens`` in the fewest calls:
+        :meth:`draft_chain`'s greedy tokens, and the sequence left as it leaves it; an engine may
+        skip what only drafting needs (the probabilities)."""
+        return self.draft_chain(seq_id, tokens, depth).tokens
+
+    def decode_chains(self, calls: Sequence[tuple]) -> list[list[int]]:
+        """:meth:`decode_chain` for several sequences, ``(seq_id, tokens, depth)`` each, in one
+        model run where the engine can."""
+        return [draft.tokens for draft in self.draft_chains([(*call, None) for call in calls])]
+
     @staticmethod
     def _check_distinct(calls: Sequence[tuple]) -> None:
         """A batch's calls are for different sequences (each call's first item is its id)."""

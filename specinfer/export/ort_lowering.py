@@ -476,19 +476,43 @@ def truncate_drafter(model: "onnx.ModelProto", depth: int) -> "onnx.ModelProto":
             o.type.tensor_type.shape.dim[1].dim_value = depth
     del graph.output[:]
     graph.output.extend(outputs)
-    # Keep what the outputs need, walking the (topologically sorted) nodes backwards.
-    needed, kept = {o.name for o in outputs}, []
+    _keep_what_outputs_need(graph)
+    return cut
+
+
+def tokens_only(model: "onnx.ModelProto") -> "onnx.ModelProto":
+    """A greedy drafter (:func:`lower_drafter`, maybe cut or batched, maybe one native node) that
+    outputs its ``draft_tokens`` and caches only: greedy incremental decoding by the model's own
+    drafter, which needs no probabilities. The top tokens' logits and the mass go, and with them
+    the mass's Sub, Exp and ReduceSum over every step's logits (the embedded LLM's chain of 8 for
+    16 sequences, 1.4 of 22.8 ms in ONNX Runtime's profiler: 6% faster without). The tokens are
+    the full drafter's bit for bit (the same kernels on the same inputs)."""
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    outputs = [o for o in graph.output if o.name not in DRAFT_OUTPUTS[1:]]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    _keep_what_outputs_need(graph, inputs=False)   # every input stays: the caller binds them all
+    return out
+
+
+def _keep_what_outputs_need(graph, inputs: bool = True) -> None:
+    """Drop the nodes, weights, value infos and (``inputs``) inputs no output of ``graph`` needs,
+    walking its (topologically sorted) nodes backwards."""
+    needed, kept = {o.name for o in graph.output}, []
     for node in reversed(list(graph.node)):
         if any(name in needed for name in node.output):
             kept.append(node)
             needed.update(node.input)
     del graph.node[:]
     graph.node.extend(reversed(kept))
-    for field in (graph.input, graph.initializer, graph.value_info):
+    for field in (graph.input, graph.initializer, graph.value_info) if inputs else (graph.initializer, graph.value_info):
         live = [v for v in field if v.name in needed]
         del field[:]
         field.extend(live)
-    return cut
 
 
 # --- many sequences in one run ------------------------------------------------------------------------
