@@ -10,7 +10,7 @@ from conftest import prompt_and_tree_logits
 from specinfer.engines import native
 
 pytestmark = pytest.mark.skipif(native.library() is None,
-                                reason="the native kernel needs Linux x86-64 with AVX-512 and F16C and a C compiler")
+                                reason="the native kernels need Linux x86-64 with AVX2, FMA and F16C and a C compiler")
 
 
 def _session(weights: np.ndarray, k: int):

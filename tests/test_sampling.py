@@ -28,7 +28,7 @@ def drawn_by(request, monkeypatch):
     from specinfer.engines import native
 
     if request.param == "native" and native.library() is None:
-        pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+        pytest.skip("the native kernels need Linux x86-64 with AVX2, FMA and F16C and a C compiler")
     if request.param == "numpy":
         monkeypatch.setattr(native, "sample_residual", lambda *a: None)
     return request.param
@@ -101,7 +101,7 @@ def test_the_native_shaping_is_numpys_float64_softmax(vocab, monkeypatch):
     from specinfer.engines import native
 
     if native.library() is None:
-        pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+        pytest.skip("the native kernels need Linux x86-64 with AVX2, FMA and F16C and a C compiler")
     logits = (np.random.default_rng(vocab).standard_normal((3, vocab)) * 4).astype(np.float32)
     logits[0, :2] = -np.inf   # masked tokens have no mass
     for temperature in (0.05, 0.7, 1.0, 2.5):
@@ -125,7 +125,7 @@ def test_the_native_draws_are_the_inverse_cdf(vocab, monkeypatch):
     from specinfer.verify import residual, residual_draw
 
     if native.library() is None:
-        pytest.skip("the native kernels need Linux x86-64 with AVX-512 and a C compiler")
+        pytest.skip("the native kernels need Linux x86-64 with AVX2, FMA and F16C and a C compiler")
     native_residual = native.sample_residual
 
     def numpy_inverse_cdf(p, u):

@@ -23,8 +23,11 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
 * ``specinfer_softmax`` (``kernels/shaping.c``, a plain C function called through ctypes) shapes
   sampled logits (:func:`softmax`).
 
-Where the library cannot be built (no C compiler, a CPU without AVX-512 and F16C, not Linux
-x86-64) or ``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's own kernels.
+The library is built for the CPU that runs it (``-march=native``): on AVX-512, or on AVX2 with FMA
+and F16C (``kernels/simd.h``: the same kernels on 8-lane halves, every op but the bfloat16 and int8
+products, which need AVX-512's instructions). Where it cannot be built (no C compiler, a CPU without
+AVX2, FMA and F16C, not Linux x86-64) or ``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's own
+kernels.
 """
 from __future__ import annotations
 
@@ -67,7 +70,8 @@ SLOTS_OP = "TreeAttentionSlots"
 F16_KV_OPS = {ATTENTION_OP: "TreeAttentionF16KV", SLOTS_OP: "TreeAttentionSlotsF16KV"}   # over float16 caches
 DRAFT_OPS = {"draft_mass": "DraftChain", "draft_choice": "DraftChainSampled"}   # by the drafter's last output
 PANEL = 64                       # weight columns per packed panel (the kernel's PANEL)
-CPU_FLAGS = ("avx512f", "f16c", "fma")
+CPU_FLAGS = ("avx2", "f16c", "fma")   # the least the library is built for (kernels/simd.h)
+WIDE_FLAG = "avx512f"                  # with it, the library's AVX-512 build, the reduced products' too
 # MatMuls with no more weights than this stay on ONNX Runtime's: for small ones the kernel's
 # hand-out over the thread pool costs more than their weights' traffic (SSM 1's drafter, whose
 # largest weight has 64 x 2048 values: 397 us a call native against 370, 300 calls each).
@@ -134,7 +138,7 @@ def products_run(matmul_dtype: str) -> bool:
     """Whether the products in ``matmul_dtype`` (bfloat16: ``MatMulBF16`` and its siblings; int8:
     ``MatMulI8`` and its) run here; float32 always does."""
     flag = PRODUCT_CPU_FLAGS.get(matmul_dtype)
-    return flag is None or (flag in cpu_flags() and library() is not None)
+    return flag is None or ({flag, WIDE_FLAG} <= cpu_flags() and library() is not None)
 
 
 def require_products(matmul_dtype: str) -> None:

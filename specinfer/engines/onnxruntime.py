@@ -206,7 +206,7 @@ class OrtRuntime(Runtime):
         self.threads = threads   # None: the process's shared pool
         check_kv_dtype(kv_dtype)
         if kv_dtype == "float16" and native.library() is None:
-            raise SpecInferError("float16 KV caches need the native kernels (Linux x86-64 with AVX-512 and F16C, a C "
+            raise SpecInferError("float16 KV caches need the native kernels (Linux x86-64 with AVX2, FMA and F16C, a C "
                                  "compiler, SPECINFER_NATIVE not 0); use float32")
         # Float16 caches: half the bytes a step reads from them (a batch of many sequences reads them
         # from memory), twice the tokens in a KV budget; K and V rounded to float16 as written.

@@ -84,6 +84,7 @@ static OrtStatus *fail(const char *message) { return op_error("DraftChain", mess
 
 /* y[r] = x[r] W (+ b) for `rows` rows, W [K, N] packed in panels of 64 columns, [ceil(N / 64), K,
  * 64], the last zero-padded: each panel's weights are read in one sweep, k in order. */
+#if SIMD_AVX512
 static void matmul(const float *x, size_t rows, const float *W, const float *b, float *y, size_t K, size_t N) {
     for (size_t r = 0; r < rows; r++, x += K, y += N)
         for (size_t n = 0; n < N; n += PANEL) {
@@ -107,6 +108,28 @@ static void matmul(const float *x, size_t rows, const float *W, const float *b, 
             for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(y + n + 16 * c, m[c], _mm512_add_ps(a[c], odd[c]));
         }
 }
+#else
+/* (AVX2: a panel's 64 columns are 8 accumulators, chains enough; more would not fit its 16 registers.) */
+static void matmul(const float *x, size_t rows, const float *W, const float *b, float *y, size_t K, size_t N) {
+    for (size_t r = 0; r < rows; r++, x += K, y += N)
+        for (size_t n = 0; n < N; n += PANEL) {
+            const float *w = W + n * K;
+            vf a[4];
+            for (int c = 0; c < 4; c++) {
+                size_t at = n + 16 * c;
+                a[c] = b ? vf_loadm(first_lanes(N > at ? N - at : 0), b + at) : vf_zero();
+            }
+            for (size_t k = 0; k < K; k++, w += PANEL) {
+                vf xk = vf_set1(x[k]);
+                for (int c = 0; c < 4; c++) a[c] = vf_fmadd(xk, vf_load(w + 16 * c), a[c]);
+            }
+            for (int c = 0; c < 4; c++) {
+                size_t at = n + 16 * c;
+                vf_storem(y + at, first_lanes(N > at ? N - at : 0), a[c]);
+            }
+        }
+}
+#endif
 
 /* y = x / sqrt(mean(x^2) + eps) * w, row by row (SimplifiedLayerNormalization). */
 static void rms_norm(const float *x, size_t rows, const float *w, float *y, size_t n, float eps) {
@@ -124,9 +147,8 @@ static void top_k(const float *x, size_t n, size_t K, float *value, int64_t *ind
     for (size_t i = 0; i < n; i++) {
         if (kept == K) {   /* skip the 16 values from i on that beat none kept, 16 at once */
             size_t left = n - i < 16 ? n - i : 16;
-            __mmask16 in = first_lanes(left);
-            __mmask16 beats = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, x + i), _mm512_set1_ps(value[K - 1]),
-                                                      _CMP_GT_OQ);
+            vmask in = first_lanes(left);
+            unsigned beats = vmask_bits(vmask_and(in, vf_gt(vf_loadm(in, x + i), vf_set1(value[K - 1]))));
             if (beats == 0) { i += left - 1; continue; }
             i += (size_t)__builtin_ctz(beats);
         }
@@ -144,24 +166,24 @@ static void top_k(const float *x, size_t n, size_t K, float *value, int64_t *ind
 /* act = silu(gate) * up for one token's [gate | up] of 2 F: gate sigmoid(gate) from exp(-|gate|). */
 static void swiglu(const float *gate_up, float *act, size_t F) {
     for (size_t f = 0; f < F; f += 16) {
-        __mmask16 m = first_lanes(F - f);
-        __m512 g = _mm512_maskz_loadu_ps(m, gate_up + f), u = _mm512_maskz_loadu_ps(m, gate_up + F + f);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-        __m512 one = _mm512_set1_ps(1.0f);
-        __m512 sig = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
-        sig = _mm512_div_ps(sig, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(act + f, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+        vmask m = first_lanes(F - f);
+        vf g = vf_loadm(m, gate_up + f), u = vf_loadm(m, gate_up + F + f);
+        vf e = exp_ps(vf_sub(vf_zero(), vf_abs(g)));
+        vf one = vf_set1(1.0f);
+        vf sig = vf_blend(vf_ge(g, vf_zero()), e, one);
+        sig = vf_div(sig, vf_add(one, e));
+        vf_storem(act + f, m, vf_mul(vf_mul(g, sig), u));
     }
 }
 
 /* sum(exp(x - top)) over n values, x <= top. */
 static float mass(const float *x, size_t n, float top) {
-    __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+    vf sum = vf_zero(), shift = vf_set1(top);
     for (size_t i = 0; i < n; i += 16) {
-        __mmask16 m = first_lanes(n - i);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), shift))));
+        vmask m = first_lanes(n - i);
+        sum = vf_add(sum, vf_maskz(m, exp_ps(vf_sub(vf_loadm(m, x + i), shift))));
     }
-    return _mm512_reduce_add_ps(sum);
+    return vf_reduce_add(sum);
 }
 
 typedef struct {

@@ -27,9 +27,10 @@
 #define PANEL 64
 #define LANES 16
 
+#define ROWS 6
+#if SIMD_AVX512
 /* Rows [0, rows) of A (rows <= ROWS) times one panel: 4 x 16 floats of accumulators per row, so
  * 6 rows hold 24 of the 32 vector registers and each widened weight serves 6 FMAs. */
-#define ROWS 6
 static inline void panel_rows(const float *A, size_t K, const uint16_t *P, float *C, size_t N, int rows) {
     __m512 acc[ROWS][4];
     for (int r = 0; r < ROWS; r++)
@@ -51,6 +52,50 @@ static inline void panel_rows(const float *A, size_t K, const uint16_t *P, float
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(C + r * N + 16 * j, acc[r][j]);
 }
+#else
+/* Rows [0, rows) of A times columns [c0, c0 + width) of one panel over k in [k0, k1) (width a
+ * multiple of 8, rows x width / 8 accumulators of 8 floats), the sums so far read from C unless k0
+ * is 0. AVX2 has 16 vector registers: one row takes the whole panel (8 accumulators), two rows half
+ * of it and up to six a quarter (12), so a panel is swept in slices of KC k, each slice's weights
+ * read from memory by the first part and from the L1 cache by the others (sweeping the whole panel
+ * once a part read its weights from memory up to four times: two rows took twice one row's time).
+ * The sums are the same whichever: each output is one chain of FMAs over k from 0 (a float put in C
+ * and read back is the same float). */
+#define KC 128
+#define AHEAD 16   /* the first part of a slice asks for the weights this many k ahead (measured: 16 beat none, 64, 128) */
+static inline __attribute__((always_inline)) void panel_part(const float *A, size_t K, const uint16_t *P, float *C,
+                                                             size_t N, const int rows, const int width, size_t c0,
+                                                             size_t k0, size_t k1) {
+    __m256 acc[ROWS][8];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < width / 8; j++)
+            acc[r][j] = k0 ? _mm256_loadu_ps(C + r * N + c0 + 8 * j) : _mm256_setzero_ps();
+    for (size_t k = k0; k < k1; k++) {
+        const uint16_t *p = P + k * PANEL + c0;
+        if (c0 == 0) {   /* (a prefetch past the weights' end reads nothing) */
+            _mm_prefetch((const char *)(P + (k + AHEAD) * PANEL), _MM_HINT_T0);
+            _mm_prefetch((const char *)(P + (k + AHEAD) * PANEL + 32), _MM_HINT_T0);
+        }
+        __m256 b[8];
+        for (int j = 0; j < width / 8; j++) b[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
+        for (int r = 0; r < rows; r++) {
+            __m256 a = _mm256_broadcast_ss(A + r * K + k);
+            for (int j = 0; j < width / 8; j++) acc[r][j] = _mm256_fmadd_ps(a, b[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < width / 8; j++) _mm256_storeu_ps(C + r * N + c0 + 8 * j, acc[r][j]);
+}
+
+static inline __attribute__((always_inline)) void panel_rows(const float *A, size_t K, const uint16_t *P, float *C,
+                                                             size_t N, const int rows) {
+    const int width = rows == 1 ? PANEL : rows == 2 ? PANEL / 2 : PANEL / 4;
+    for (size_t k0 = 0; k0 < K || k0 == 0; k0 += KC) {
+        size_t k1 = K - k0 < KC ? K : k0 + KC;
+        for (int c0 = 0; c0 < PANEL; c0 += width) panel_part(A, K, P, C, N, rows, width, (size_t)c0, k0, k1);
+    }
+}
+#endif
 
 typedef struct {
     const float *A;
@@ -79,6 +124,7 @@ static void block_rows(const float *A, size_t K, const uint16_t *P, float *C, si
     BY_ROWS(panel_rows, rows, A, K, P, C, N)
 }
 
+#if SIMD_AVX512
 /* The bfloat16 products (MatMulBF16 and the three ops beside it): A rounded to bfloat16 (to
  * nearest even) and W stored in bfloat16, multiplied and summed in float32 by AVX512-BF16's
  * VDPBF16PS, which takes two k at once: twice the arithmetic rate of float32 FMAs (measured on
@@ -216,14 +262,18 @@ I8 static void to_u8_quads(const float *A, size_t M, size_t K, uint32_t *out, fl
     }
 }
 
+#endif
+
 /* Rows [m, m + rows) of the job's A times panel ``panel``, into C (``ldc`` floats a row). */
 static void panel_block(const Product *job, size_t panel, size_t m, float *C, size_t ldc, int rows) {
+#if SIMD_AVX512
     if (job->quads)
         i8_block_rows(job->quads + m * job->K4, job->K4, (const int8_t *)job->W + panel * job->K4 * 4 * PANEL,
                       job->w_scale + panel * PANEL, job->w_sum + panel * PANEL, job->row_scale + m, C, ldc, rows);
     else if (job->pairs)
         bf16_block_rows(job->pairs + m * job->K2, job->K2, job->W + panel * job->K2 * 2 * PANEL, C, ldc, rows);
     else
+#endif
         block_rows(job->A + m * job->K, job->K, job->W + panel * job->K * PANEL, C, ldc, rows);
 }
 
@@ -251,19 +301,19 @@ static void norm_row(void *data, size_t r) {
     size_t K = n->K;
     const float *a = n->input + r * K, *s = n->skip + r * K;
     float *x = n->sum + r * K, *y = n->out + r * K;
-    __m512 squares = _mm512_setzero_ps();
+    vf squares = vf_zero();
     for (size_t k = 0; k < K; k += LANES) {
-        __mmask16 m = first_lanes(K - k);
-        __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + k), _mm512_maskz_loadu_ps(m, s + k));
-        _mm512_mask_storeu_ps(x + k, m, v);
-        squares = _mm512_fmadd_ps(v, v, squares);
+        vmask m = first_lanes(K - k);
+        vf v = vf_add(vf_loadm(m, a + k), vf_loadm(m, s + k));
+        vf_storem(x + k, m, v);
+        squares = vf_fmadd(v, v, squares);
     }
-    float mean = _mm512_reduce_add_ps(squares) / (float)K + n->eps;
-    __m512 root = _mm512_set1_ps(_mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean))));
+    float mean = vf_reduce_add(squares) / (float)K + n->eps;
+    vf root = vf_set1(_mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean))));
     for (size_t k = 0; k < K; k += LANES) {
-        __mmask16 m = first_lanes(K - k);
-        __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), root);
-        _mm512_mask_storeu_ps(y + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, n->gamma + k)));
+        vmask m = first_lanes(K - k);
+        vf v = vf_div(vf_loadm(m, x + k), root);
+        vf_storem(y + k, m, vf_mul(v, vf_loadm(m, n->gamma + k)));
     }
 }
 
@@ -327,6 +377,12 @@ static OrtStatus *product(OrtKernelContext *ctx, void (*task)(void *, size_t), s
             for (size_t r = 0; r < M; r++) norm_row(&norm, r);
         job.A = scratch;
     }
+#if !SIMD_AVX512
+    if (weights != WEIGHTS_F16) {   /* native.py writes these ops only where the CPU has the instructions */
+        free(scratch);
+        return op_error(name, "bfloat16 and int8 products need a build for AVX-512");
+    }
+#else
     if (weights != WEIGHTS_F16) {
         /* int8: the rows' quads, then their scales */
         size_t words = weights == WEIGHTS_I8 ? M * job.K4 + M : M * job.K2;
@@ -345,6 +401,7 @@ static OrtStatus *product(OrtKernelContext *ctx, void (*task)(void *, size_t), s
             job.pairs = rounded;
         }
     }
+#endif
     dims[rank - 1] = (int64_t)job.N;
     OrtValue *c = NULL;
     CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &c);
@@ -364,12 +421,12 @@ static OrtStatus *product(OrtKernelContext *ctx, void (*task)(void *, size_t), s
  * one-token step 6% slower). Each product is MatMulF16W's, sum for sum; silu(g) = g sigmoid(g),
  * sigmoid(g) = 1 / (1 + e^-g) computed as e / (1 + e) with e = e^g where g < 0 (exp_ps takes
  * x <= 0 only): ~2 ulp. */
-static inline __m512 silu_times(__m512 g, __m512 u) {
-    __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));   /* e^-|g| */
-    __m512 one = _mm512_set1_ps(1.0f);
-    __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
-    return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+static inline vf silu_times(vf g, vf u) {
+    vf e = exp_ps(vf_sub(vf_zero(), vf_abs(g)));   /* e^-|g| */
+    vf one = vf_set1(1.0f);
+    vmask negative = vf_lt(g, vf_zero());
+    vf sigmoid = vf_div(vf_blend(negative, one, e), vf_add(one, e));
+    return vf_mul(vf_mul(g, sigmoid), u);
 }
 
 static void run_swiglu_panel(void *data, size_t panel) {
@@ -380,9 +437,8 @@ static void run_swiglu_panel(void *data, size_t panel) {
         panel_block(job, panel, m, both, PANEL, rows);
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < PANEL / 2; j += LANES)
-                _mm512_storeu_ps(job->C + (m + r) * job->N + panel * (PANEL / 2) + j,
-                                 silu_times(_mm512_load_ps(both + r * PANEL + j),
-                                            _mm512_load_ps(both + r * PANEL + PANEL / 2 + j)));
+                vf_store(job->C + (m + r) * job->N + panel * (PANEL / 2) + j,
+                         silu_times(vf_load(both + r * PANEL + j), vf_load(both + r * PANEL + PANEL / 2 + j)));
     }
 }
 

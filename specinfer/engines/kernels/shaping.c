@@ -10,53 +10,50 @@
  *
  * out[r, i] = exp(z_i - max z) / sum_j exp(z_j - max z), z = logits[r] / temperature, in float64
  * (exp within ~2e-16 relative: a degree-12 Taylor polynomial on |r| <= ln 2 / 2 times 2^n). */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* The lanes of 8 that hold values when `left` are left: all of them, or the first `left`. */
-static inline __mmask8 lanes8(int64_t left) { return left >= 8 ? 0xFF : (__mmask8)((1u << left) - 1); }
+#include "simd.h"
 
 /* exp(x) for x <= 0, 8 lanes of float64; 0 below -708 (under the smallest normal double). */
-static inline __m512d exp_pd(__m512d x) {
-    __mmask8 live = _mm512_cmp_pd_mask(x, _mm512_set1_pd(-708.0), _CMP_GE_OQ);
-    x = _mm512_max_pd(x, _mm512_set1_pd(-708.0));
-    __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);   /* ln 2, high part */
-    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);          /* ln 2, low part */
-    __m512d p = _mm512_set1_pd(1.0 / 479001600.0);   /* 1 / 12! */
+static inline vd exp_pd(vd x) {
+    vdmask live = vd_ge(x, vd_set1(-708.0));
+    x = vd_max(x, vd_set1(-708.0));
+    vd n = vd_round(vd_mul(x, vd_set1(1.4426950408889634)));
+    vd r = vd_fnmadd(n, vd_set1(6.93147180369123816490e-01), x);   /* ln 2, high part */
+    r = vd_fnmadd(n, vd_set1(1.90821492927058770002e-10), r);          /* ln 2, low part */
+    vd p = vd_set1(1.0 / 479001600.0);   /* 1 / 12! */
     static const double inverse_factorial[] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
                                                1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5,
                                                1.0, 1.0};
-    for (int i = 0; i < 12; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inverse_factorial[i]));
-    return _mm512_maskz_scalef_pd(live, p, n);
+    for (int i = 0; i < 12; i++) p = vd_fmadd(p, r, vd_set1(inverse_factorial[i]));
+    return vd_scale_or_zero(live, p, n);
 }
 
 __attribute__((visibility("default"))) void specinfer_softmax(const float *logits, int64_t rows, int64_t V,
                                                               double temperature, double *out) {
-    __m512d scale = _mm512_set1_pd(1.0 / temperature);
+    vd scale = vd_set1(1.0 / temperature);
     for (int64_t row = 0; row < rows; row++, logits += V, out += V) {
-        __m512d top = _mm512_set1_pd(-INFINITY);
+        vd top = vd_set1(-INFINITY);
         for (int64_t i = 0; i < V; i += 8) {
-            __mmask8 m = lanes8(V - i);
-            __m512d z = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, logits + i)), scale);
-            _mm512_mask_storeu_pd(out + i, m, z);
-            top = _mm512_mask_max_pd(top, m, top, z);
+            vdmask m = first_lanes8((size_t)(V - i));
+            vd z = vd_mul(vd_from_floats(m, logits + i), scale);
+            vd_storem(out + i, m, z);
+            top = vd_mask_max(top, m, top, z);
         }
-        __m512d shift = _mm512_set1_pd(_mm512_reduce_max_pd(top)), sum = _mm512_setzero_pd();
+        vd shift = vd_set1(vd_reduce_max(top)), sum = vd_zero();
         for (int64_t i = 0; i < V; i += 8) {
-            __mmask8 m = lanes8(V - i);
-            __m512d e = exp_pd(_mm512_sub_pd(_mm512_maskz_loadu_pd(m, out + i), shift));
-            _mm512_mask_storeu_pd(out + i, m, e);
-            sum = _mm512_add_pd(sum, _mm512_maskz_mov_pd(m, e));
+            vdmask m = first_lanes8((size_t)(V - i));
+            vd e = exp_pd(vd_sub(vd_loadm(m, out + i), shift));
+            vd_storem(out + i, m, e);
+            sum = vd_add(sum, vd_maskz(m, e));
         }
-        __m512d inverse = _mm512_set1_pd(1.0 / _mm512_reduce_add_pd(sum));   /* (a division a value cost 4 us a row) */
+        vd inverse = vd_set1(1.0 / vd_reduce_add(sum));   /* (a division a value cost 4 us a row) */
         for (int64_t i = 0; i < V; i += 8) {
-            __mmask8 m = lanes8(V - i);
-            _mm512_mask_storeu_pd(out + i, m, _mm512_mul_pd(_mm512_maskz_loadu_pd(m, out + i), inverse));
+            vdmask m = first_lanes8((size_t)(V - i));
+            vd_storem(out + i, m, vd_mul(vd_loadm(m, out + i), inverse));
         }
     }
 }
@@ -79,11 +76,11 @@ typedef struct { const double *p, *q; } Residual;
 
 static void softmax_weights(const void *src, int64_t i0, int64_t n, double *out) {
     const Softmax *s = src;
-    __m512d scale = _mm512_set1_pd(s->scale), shift = _mm512_set1_pd(s->shift);
+    vd scale = vd_set1(s->scale), shift = vd_set1(s->shift);
     for (int64_t i = 0; i < n; i += 8) {
-        __mmask8 m = lanes8(n - i);
-        __m512d z = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, s->logits + i0 + i)), scale);
-        _mm512_mask_storeu_pd(out + i, m, exp_pd(_mm512_sub_pd(z, shift)));
+        vdmask m = first_lanes8((size_t)(n - i));
+        vd z = vd_mul(vd_from_floats(m, s->logits + i0 + i), scale);
+        vd_storem(out + i, m, exp_pd(vd_sub(z, shift)));
     }
 }
 
@@ -94,9 +91,9 @@ static void residual_weights(const void *src, int64_t i0, int64_t n, double *out
         return;
     }
     for (int64_t i = 0; i < n; i += 8) {
-        __mmask8 m = lanes8(n - i);
-        __m512d d = _mm512_sub_pd(_mm512_maskz_loadu_pd(m, r->p + i0 + i), _mm512_maskz_loadu_pd(m, r->q + i0 + i));
-        _mm512_mask_storeu_pd(out + i, m, _mm512_max_pd(d, _mm512_setzero_pd()));
+        vdmask m = first_lanes8((size_t)(n - i));
+        vd d = vd_sub(vd_loadm(m, r->p + i0 + i), vd_loadm(m, r->q + i0 + i));
+        vd_storem(out + i, m, vd_max(d, vd_zero()));
     }
 }
 
@@ -137,12 +134,12 @@ static int64_t inverse_cdf(Weights weights, const void *src, int64_t V, double u
 __attribute__((visibility("default"))) int64_t specinfer_sample_softmax(const float *logits, int64_t V, double temperature,
                                                                         double u) {
     Softmax s = {logits, 1.0 / temperature, 0.0};
-    __m512d top = _mm512_set1_pd(-INFINITY), scale = _mm512_set1_pd(s.scale);
+    vd top = vd_set1(-INFINITY), scale = vd_set1(s.scale);
     for (int64_t i = 0; i < V; i += 8) {
-        __mmask8 m = lanes8(V - i);
-        top = _mm512_mask_max_pd(top, m, top, _mm512_mul_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, logits + i)), scale));
+        vdmask m = first_lanes8((size_t)(V - i));
+        top = vd_mask_max(top, m, top, vd_mul(vd_from_floats(m, logits + i), scale));
     }
-    s.shift = _mm512_reduce_max_pd(top);
+    s.shift = vd_reduce_max(top);
     return inverse_cdf(softmax_weights, &s, V, u);
 }
 

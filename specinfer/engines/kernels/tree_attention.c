@@ -47,6 +47,7 @@ static size_t position_of(const Job *job, size_t b, size_t t) {
     return job->positions ? (size_t)job->positions[b * job->T + t] : past_of(job, b) + t;
 }
 
+#if SIMD_AVX512
 /* 16 vectors to one whose lane i is the sum of v[i]'s lanes: the same adds, in the same order,
  * for every lane (a key's score does not depend on where it falls in a block). */
 static inline __m512 sum16(const __m512 *v) {
@@ -61,10 +62,48 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+/* Lane j: the dot product of query qh with key k[j] (D floats each), for 16 keys. */
+static inline vf scores16(const float *qh, const float *const *k, size_t D) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_load_ps(qh), _mm512_loadu_ps(k[j]));
+    for (size_t c = 16; c < D; c += 16) {
+        __m512 qc = _mm512_load_ps(qh + c);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[j] + c), acc[j]);
+    }
+    return sum16(acc);
+}
+#define WEIGH_HEADS 4    /* the most heads and 16-value chunks weigh() keeps in registers */
+#define WEIGH_CHUNKS 4
+#else
+/* 8 vectors to one whose lane i is the sum of v[i]'s lanes, the same adds for every lane. */
+static inline __m256 sum8(const __m256 *v) {
+    __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* Lane j of 8: the dot product of query qh with key k[j], summed 8 values at a time (16 vectors
+ * of 16 would not fit AVX2's 16 registers). */
+static inline __m256 scores8(const float *qh, const float *const *k, size_t D) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_mul_ps(_mm256_load_ps(qh), _mm256_loadu_ps(k[j]));
+    for (size_t c = 8; c < D; c += 8) {
+        __m256 qc = _mm256_load_ps(qh + c);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + c), acc[j]);
+    }
+    return sum8(acc);
+}
+
+static inline vf scores16(const float *qh, const float *const *k, size_t D) {
+    return (vf){scores8(qh, k, D), scores8(qh, k + 8, D)};
+}
+#define WEIGH_HEADS 2
+#define WEIGH_CHUNKS 2
+#endif
+
 /* 16 values of a cache from element `at` on: float, or float16 widened (exactly). */
-static inline __m512 row16(const void *cache, int half, size_t at) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at)))
-                : _mm512_loadu_ps((const float *)cache + at);
+static inline vf row16(const void *cache, int half, size_t at) {
+    return half ? vf_from_half((const uint16_t *)cache + at) : vf_load((const float *)cache + at);
 }
 
 /* out[h] = sum_i p[h][i] v_i / l[h] over columns [16 c0, 16 (c0 + chunks)) for `heads` heads,
@@ -73,25 +112,25 @@ static inline __m512 row16(const void *cache, int half, size_t at) {
 static inline __attribute__((always_inline)) void weigh(const void *V, int half, const uint32_t *visible, size_t n,
                                                        size_t D, const float *p, size_t stride, float *l, float *out,
                                                        const int heads, const int chunks, size_t c0) {
-    __m512 acc[4][4];
+    vf acc[4][4];
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_setzero_ps();
+        for (int c = 0; c < chunks; c++) acc[h][c] = vf_zero();
     for (size_t i = 0; i < n; i++) {
         size_t v = (size_t)visible[i] * D + 16 * c0;
-        __m512 x[4];
+        vf x[4];
         for (int c = 0; c < chunks; c++) x[c] = row16(V, half, v + 16 * c);
         for (int h = 0; h < heads; h++) {
             float w = p[h * stride + i];
             sum[h] += w;
-            __m512 pw = _mm512_set1_ps(w);
-            for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_fmadd_ps(pw, x[c], acc[h][c]);
+            vf pw = vf_set1(w);
+            for (int c = 0; c < chunks; c++) acc[h][c] = vf_fmadd(pw, x[c], acc[h][c]);
         }
     }
     for (int h = 0; h < heads; h++) {
         if (c0 == 0) l[h] = sum[h];
-        __m512 total = _mm512_set1_ps(l[h]);
-        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + h * D + 16 * (c0 + c), _mm512_div_ps(acc[h][c], total));
+        vf total = vf_set1(l[h]);
+        for (int c = 0; c < chunks; c++) vf_store(out + h * D + 16 * (c0 + c), vf_div(acc[h][c], total));
     }
 }
 
@@ -99,10 +138,10 @@ static inline __attribute__((always_inline)) void weigh(const void *V, int half,
 static void weigh_all(const void *V, int half, const uint32_t *visible, size_t n, size_t D, const float *p,
                       size_t group, float *out) {
     float l[MAX_GROUP];
-    for (size_t h = 0; h < group; h += 4) {
-        size_t heads = group - h < 4 ? group - h : 4;
+    for (size_t h = 0; h < group; h += WEIGH_HEADS) {
+        size_t heads = group - h < WEIGH_HEADS ? group - h : WEIGH_HEADS;
         for (size_t c0 = 0; c0 < D / 16;) {
-            size_t chunks = D / 16 - c0 >= 4 ? 4 : D / 16 - c0 >= 2 ? 2 : 1;
+            size_t left = D / 16 - c0, chunks = left >= 4 && WEIGH_CHUNKS >= 4 ? 4 : left >= 2 ? 2 : 1;
             switch (heads * 8 + chunks) {
                 case 8 + 1: WEIGH(1, 1); break;   case 8 + 2: WEIGH(1, 2); break;   case 8 + 4: WEIGH(1, 4); break;
                 case 16 + 1: WEIGH(2, 1); break;  case 16 + 2: WEIGH(2, 2); break;  case 16 + 4: WEIGH(2, 4); break;
@@ -142,42 +181,34 @@ void attend_task(const Job *job, size_t task) {
     size_t n = 0;
     for (size_t j = 0; j < keys; j++)
         if (!bias || bias[j] > MASKED) visible[n++] = (uint32_t)j;
-    __m512 scale = _mm512_set1_ps(job->scale);
+    vf scale = vf_set1(job->scale);
     for (size_t i0 = 0; i0 < n; i0 += 16) {   /* 16 keys at a time; a short last block repeats its last key */
         size_t m = n - i0 < 16 ? n - i0 : 16;
         const float *k[16];
         if (job->half)   /* the block's keys widened once, for every head of the group */
             for (size_t j = 0; j < 16; j++) {
                 size_t at = (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
-                for (size_t c = 0; c < D; c += 16) _mm512_store_ps(wide + j * D + c, row16(K, 1, at + c));
+                for (size_t c = 0; c < D; c += 16) vf_store(wide + j * D + c, row16(K, 1, at + c));
                 k[j] = wide + j * D;
             }
         else
             for (size_t j = 0; j < 16; j++) k[j] = (const float *)K + (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
-        for (size_t h = 0; h < group; h++) {
-            const float *qh = q + h * D;
-            __m512 acc[16];
-            for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_load_ps(qh), _mm512_loadu_ps(k[j]));
-            for (size_t c = 16; c < D; c += 16) {
-                __m512 qc = _mm512_load_ps(qh + c);
-                for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[j] + c), acc[j]);
-            }
-            _mm512_mask_storeu_ps(s + h * n + i0, first_lanes(m), _mm512_mul_ps(sum16(acc), scale));
-        }
+        for (size_t h = 0; h < group; h++)
+            vf_storem(s + h * n + i0, first_lanes(m), vf_mul(scores16(q + h * D, k, D), scale));
     }
     if (bias)
         for (size_t h = 0; h < group; h++)
             for (size_t i = 0; i < n; i++) s[h * n + i] += bias[visible[i]];
     for (size_t h = 0; h < group; h++) {   /* softmax numerators in place */
         float *row = s + h * n;
-        __m512 top = _mm512_set1_ps(-INFINITY);
+        vf top = vf_set1(-INFINITY);
         size_t i = 0;
-        for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + i));
-        __mmask16 tail = first_lanes(n - i);
-        top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, row + i));
-        __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
-        if (i < n) _mm512_mask_storeu_ps(row + i, tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), shift)));
+        for (; i + 16 <= n; i += 16) top = vf_max(top, vf_load(row + i));
+        vmask tail = first_lanes(n - i);
+        top = vf_mask_max(top, tail, top, vf_loadm(tail, row + i));
+        vf shift = vf_set1(vf_reduce_max(top));
+        for (i = 0; i + 16 <= n; i += 16) vf_store(row + i, exp_ps(vf_sub(vf_load(row + i), shift)));
+        if (i < n) vf_storem(row + i, tail, exp_ps(vf_sub(vf_loadm(tail, row + i), shift)));
     }
     weigh_all(V, job->half, visible, n, D, s, group, out);
     free(s);
@@ -206,9 +237,7 @@ static void put_row(void *cache, int half, size_t at, const float *x, size_t D) 
         memcpy((float *)cache + at, x, D * sizeof(float));
         return;
     }
-    for (size_t c = 0; c < D; c += 16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)cache + at + c),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (size_t c = 0; c < D; c += 16) vf_to_half((uint16_t *)cache + at + c, vf_load(x + c));
 }
 
 /* The new tokens' keys (rotated) and values written at slots P .. P + T - 1 of the presents (the

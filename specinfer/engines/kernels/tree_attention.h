@@ -2,32 +2,29 @@
  * their own computation (draft_chain.c). */
 #ifndef SPECINFER_TREE_ATTENTION_H
 #define SPECINFER_TREE_ATTENTION_H
-#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "simd.h"
 
 /* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r,
  * times 2^n; 0 below e^-80 (weights that small change nothing, and their products with the values
  * would be denormal numbers: with them the LLM's 7-token run was slower than on GroupQueryAttention,
  * 1.91 ms against 1.57). Within 2 ulp of expf; lanes are independent. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.0f), _CMP_GE_OQ), p, n);
+static inline vf exp_ps(vf x) {
+    x = vf_max(x, vf_set1(-87.0f));
+    vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fmadd(p, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    return vf_scale_or_zero(vf_ge(x, vf_set1(-80.0f)), p, n);
 }
-
-/* The lanes of a 16-wide vector that hold the `left` values still to do (all 16 from 16 up). */
-static inline __mmask16 first_lanes(size_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
 
 /* One call's attention: B sequences of T new tokens each over caches of S slots (see
  * tree_attention.c for the layout); positions and bias optional (NULL: slot order, causal). */
