@@ -263,13 +263,13 @@ def tokens_emitted(server, model):
 
 
 def drop_http_stream(server, model, prompt, max_tokens, on_cancel=lambda: None):
-    """Open /generate_stream (incremental decoding, sampled: one token a step), read the first event,
-    and drop the connection (calling ``on_cancel`` just before)."""
+    """Open /generate_stream (sampled, on the wide fixed tree of the cancel test), read the first
+    event, and drop the connection (calling ``on_cancel`` just before)."""
     import http.client
     host, port = server.http_url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(
-        {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "tree": "none", "temperature": 1.0}),
+        {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "tree": "4,4,4", "temperature": 1.0}),
         {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
@@ -301,7 +301,7 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     on_cancel = lambda: at_cancel.append(tokens_emitted(triton_server, counter))    # noqa: E731
     if how == "grpc":
         pieces = grpc_stream(triton_server, PROMPTS[4], model, cancel_after=1, on_cancel=on_cancel,
-                             max_tokens=np.array([long], np.int32), tree=np.array([b"none"], dtype=object),
+                             max_tokens=np.array([long], np.int32), tree=np.array([b"4,4,4"], dtype=object),
                              temperature=np.array([1.0], np.float32))
     else:
         pieces = drop_http_stream(triton_server, model, PROMPTS[4], long, on_cancel=on_cancel)
@@ -315,21 +315,23 @@ def test_a_cancel_frees_the_sequences_at_once_and_others_finish(triton_server, e
     assert other["text"] == expected[PROMPTS[3]]
     assert [metric(triton_server, "specinfer_active_sequences", m) for m in stateful] == [0] * len(stateful)
     assert all(metric(triton_server, "specinfer_kv_bytes", m) == 0 for m in stateful)
-    # The cancelled request takes one token a step (tree "none" and sampled, so that its tokens
-    # count its steps: a greedy one with no tree, alone, takes 8 a step, and 200 of them took
-    # ~0.15 s, less than a cancel takes to reach the server). Counted from the client's cancel, its steps are those until the cancel reached the
-    # server, far fewer than its 200: a fused step takes 2-3 ms, and the loop asks for a cancel
-    # every 20 ms (0-50 tokens seen). Counted from its start, they also take in how long the client
-    # took to see its first piece and cancel, which on a loaded CI machine was 0.3-0.4 s (130 of
-    # them): that only has to leave it short of its 200. The other request emits `alone` tokens
-    # (tokens, not steps: batched beside the cancelled one, its trees are smaller, its steps more),
-    # some before the cancel and the rest after.
+    # The cancelled request is sampled on a wide fixed tree ("4,4,4", cut to the node budget, or to
+    # its share while the other request runs), so that each of its steps verifies up to 64 nodes
+    # and keeps ~1-3 tokens: 200 tokens take well over a second. With one token a step (tree
+    # "none"), a step on the native kernels took ~1 ms, 100 tokens ~0.1 s, and a cancel took longer
+    # than that to reach the server on a loaded 2-core machine (192 tokens after the client's
+    # cancel, once in a full run of the suite). Counted from the client's cancel, its tokens are
+    # those until the cancel reached the server, far fewer than its 200 (the loop asks for a cancel
+    # every 20 ms). Counted from its start, they also take in how long the client took to see its
+    # first piece and cancel, which on a loaded CI machine was 0.3-0.4 s: that only has to leave it
+    # short of its 200. The other request emits `alone` tokens (tokens, not steps: batched beside
+    # the cancelled one, its trees are smaller, its steps more), some before the cancel and the
+    # rest after.
     end = tokens_emitted(triton_server, counter)
     cancelled, after_cancel = end - before - alone, end - at_cancel[0] - alone
     if at_cancel[0] - before - alone >= long:
         # The request had emitted all its tokens before the client saw its first piece and
-        # cancelled (on the native kernels a fused incremental run of 8 tokens takes ~5 ms, so 200
-        # tokens take ~0.15 s, under a loaded CI client's 0.3-0.4 s): there is no cancel to count.
+        # cancelled: there is no cancel to count.
         pytest.skip(f"the request ended before the client's cancel ({at_cancel[0] - before - alone:.0f} tokens)")
     assert cancelled < long and after_cancel < 0.5 * long, (cancelled, after_cancel, alone, freed_after)
 
