@@ -42,7 +42,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out = np.zeros(logits.shape, dtype=np.float64)
         np.put_along_axis(out, logits.argmax(-1)[..., None], 1.0, axis=-1)
         return out
-    if not params.top_k and params.top_p >= 1.0:   # the common case in one native call where it runs
+    if plain_softmax(params):   # the common case in one native call where it runs
         shaped = native.softmax(np.asarray(logits), params.temperature)
         if shaped is not None:
             return shaped
@@ -77,15 +77,27 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     return inverse_cdf(p, rng.random())
 
 
+def plain_softmax(params: SamplingParams) -> bool:
+    """Whether sampled logits are shaped by softmax(logits / temperature) alone (no top-k or top-p
+    cut): what the native shaping and draws compute (here and inside a graph)."""
+    return not params.greedy and not params.top_k and params.top_p >= 1.0
+
+
 def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """``sample(probabilities(logits, params), rng)`` for one row of sampled logits: the same
-    uniform read, the same inverse CDF, drawn in one native call where it runs (float32 logits, no
-    top-k or top-p cut; ``kernels/shaping.c``) without writing the float64 distribution."""
-    if not params.top_k and params.top_p >= 1.0 and native.can_sample(logits):
-        u = rng.random()
+    uniform read, the same inverse CDF (:func:`draw_at`)."""
+    return draw_at(logits, params, rng.random())
+
+
+def draw_at(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+    """The token of uniform ``u`` under the shaped distribution of one row of sampled logits
+    (:func:`inverse_cdf` of :func:`probabilities`), drawn in one native call where it runs (float32
+    logits, :func:`plain_softmax`; ``kernels/shaping.c``) without writing the float64
+    distribution."""
+    if plain_softmax(params) and native.can_sample(logits):
         token = native.sample_softmax(logits, params.temperature, u)
         return token if token >= 0 else inverse_cdf(probabilities(logits, params), u)   # (no mass: no draw there)
-    return sample(probabilities(logits, params), rng)
+    return inverse_cdf(probabilities(logits, params), u)
 
 
 def inverse_cdf(p: np.ndarray, u: float) -> int:

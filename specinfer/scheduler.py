@@ -9,9 +9,10 @@ to the scheduler's thread and wait. That thread takes whatever is ready, as one 
     one LLM call scores every tree and new prompts (by chunks)           (Runtime.score_batch)
     each sequence verifies its tree and commits the accepted path        (LocalSpeculator.settle)
 
-(greedy requests that draft nothing, incremental ones, those the batch's share leaves no tree,
-and, in a batch that verifies no tree, those whose drafters drafted nothing, take several tokens
-a step instead, all of them in one run of the LLM's drafter: :meth:`Scheduler._run_chained`), so
+(requests that draft nothing, incremental ones, those the batch's share leaves no tree, and, in
+a batch that verifies no tree, those whose drafters drafted nothing, take several tokens a step
+instead, all of them in one run of the LLM's drafter, greedy or drawing each token:
+:meth:`Scheduler._run_chained`; sampled ones only without a top-k or top-p cut), so
 the step algorithm is the one of :class:`~specinfer.generate.LocalSpeculator`, and requests join
 and leave between batches. A settled step's successor (from its bonus token) is queued at once,
 before the request's thread asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
@@ -412,8 +413,8 @@ class Scheduler:
         # Where every step is a greedy speculative one (none sampled or incremental), ChainsOrTrees
         # chooses the way; with no prompt in the batch, the batch is a measure of that way.
         way = measured = None
-        if running > 1 and steps and all(
-                job.tree is None and job.spec.local.can_chain and not job.spec.local.chained for job in steps):
+        if running > 1 and steps and all(job.tree is None and job.spec.local.params.greedy and job.spec.local.can_chain
+                                         and not job.spec.local.chained for job in steps):
             way = "chains" if self.ways.chains(running) else "trees"
             measured = None if starts else way
         chained = {id(job): (job, depth) for job in steps if job.tree is None
@@ -435,7 +436,7 @@ class Scheduler:
                 if id(job) in trees and (depth := job.spec.local.chain_instead(trees[id(job)], job.budget)):
                     chained[id(job)] = (job, depth)
             steps = [job for job in steps if id(job) not in chained]
-        if chained:   # greedy steps that draft nothing: several tokens each, in an LLM run of their own
+        if chained:   # steps that draft nothing: several tokens each, in an LLM run of their own
             started = time.perf_counter()
             self.seconds["draft"] += started - t0
             tokens = self._run_chained(list(chained.values()), started)
@@ -498,7 +499,7 @@ class Scheduler:
             self._active()
 
     def _run_chained(self, steps: list[tuple[_Job, int]], t0: float) -> int:
-        """Greedy steps of several tokens each, ``(job, tokens)``: incremental requests', those of
+        """Steps of several tokens each, ``(job, tokens)``, greedy or sampled: incremental requests', those of
         requests whose drafts the batch's share leaves no room for (``LocalSpeculator.chain_depth``)
         and those whose drafters drafted nothing (``LocalSpeculator.chain_instead``),
         every sequence's in one LLM run (:meth:`~specinfer.engines.runtime.Runtime.decode_chains`),
@@ -507,7 +508,7 @@ class Scheduler:
         sequences at a context of 100, 8 tokens each in one run 1.22x the tokens/s of 8 batches of
         one token). A request that arrives meanwhile waits for that run (~8 tokens' time), then
         joins the next. Returns the tokens the steps made."""
-        calls = [(job.spec.local.seq, [job.root], depth) for job, depth in steps]
+        calls = [(job.spec.local.seq, [job.root], depth, job.spec.local.chain_sampling(depth)) for job, depth in steps]
         chains = each_or_its_error(self.llm.decode_chains, calls)
         seconds = time.perf_counter() - t0
         self.seconds["llm"] += seconds
@@ -545,9 +546,12 @@ def warm_batches(runtime: Runtime, most: int) -> None:
     greedy requests' chains run, :meth:`Scheduler._run_chained`), on sequences of one token made
     and released here: an engine may open a session for a batch size at its first run (ONNX
     Runtime: ~0.1 s each for the embedded LLM), which a burst of requests would otherwise wait for
-    (16 streams: 0.61 s). ~1.2 s for sizes up to 16 here."""
-    warm_shapes(runtime, tree_sizes=[1], chain_depths=[runtime.draft_depth] if chains(runtime) else [],
-                batch_sizes=range(2, most + 1), decoding=True)
+    (16 streams: 0.61 s). ~1.2 s for sizes up to 16 here; sampled decoding's chains too, where the
+    engine draws them (:attr:`~specinfer.engines.runtime.Runtime.samples_chains`)."""
+    depths = [runtime.draft_depth] if chains(runtime) else []
+    warm_shapes(runtime, tree_sizes=[1], chain_depths=depths, batch_sizes=range(2, most + 1), decoding=True)
+    if depths and runtime.samples_chains:
+        warm_shapes(runtime, chain_depths=depths, sampled=True, batch_sizes=range(2, most + 1), decoding=True)
 
 
 def _return_free_heap() -> None:

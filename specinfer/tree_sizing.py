@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .engines.runtime import Runtime
+from .engines.runtime import ChainSampling, Runtime
 from .sampling import SamplingParams
 from .tree import TokenTree
 
@@ -97,7 +97,8 @@ def warm_shapes(runtime: Runtime, tree_sizes: Sequence[int] = (), chain_depths: 
     than its later ones; an SSM's first chain of a depth opens that depth's drafter session, 5-7 ms;
     a batch size its own session, ~0.1 s), which the sizer would otherwise learn as what a step
     costs, or a burst of requests wait for. ``sampled``: the chains with draw noise; ``decoding``:
-    greedy incremental decoding's chains (:meth:`~Runtime.decode_chains`), not drafts."""
+    incremental decoding's chains (:meth:`~Runtime.decode_chains`; ``sampled``, drawing each
+    token), not drafts."""
     seqs = [runtime.start() for _ in range(max(batch_sizes, default=0))]
     try:
         for seq in seqs:
@@ -109,7 +110,8 @@ def warm_shapes(runtime: Runtime, tree_sizes: Sequence[int] = (), chain_depths: 
                     runtime.commit(seq, [])
             for depth in chain_depths:
                 if decoding:
-                    runtime.decode_chains([(seq, [0], depth) for seq in seqs[:n]])
+                    drawn = ChainSampling(1.0, np.full(depth, 0.5)) if sampled else None
+                    runtime.decode_chains([(seq, [0], depth, drawn) for seq in seqs[:n]])
                 else:
                     noise = np.zeros((depth, runtime.draft_candidates), np.float32) if sampled else None
                     runtime.draft_chains([(seq, [0], depth, noise) for seq in seqs[:n]])

@@ -697,3 +697,35 @@ def test_float16_kv_caches_decode_as_float32_ones_up_to_their_rounding(exported,
     finally:
         monkeypatch.delenv("SPECINFER_NATIVE")
         native.library.cache_clear()
+
+
+def test_the_sample_op_draws_each_row_as_the_native_draw_does():
+    """SampleSoftmax (sampled decoding's draw inside a graph): each row of logits at its own
+    temperature and uniform gives the token native.sample_softmax gives it (sampling.draw's draw);
+    a row without mass gives -1; a temperature not above 0 or a uniform outside [0, 1) is refused
+    with a message that names them."""
+    from onnx import TensorProto, helper
+
+    from specinfer.engines.onnxruntime import open_session
+
+    rows, vocab = 9, 300
+    node = helper.make_node(native.SAMPLE_OP, ["logits", "temperature", "uniform"], ["tokens"], domain=native.DOMAIN)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, rows, vocab]),
+                                            helper.make_tensor_value_info("temperature", TensorProto.DOUBLE, [1, rows]),
+                                            helper.make_tensor_value_info("uniform", TensorProto.DOUBLE, [1, rows])],
+                              [helper.make_tensor_value_info("tokens", TensorProto.INT64, [1, rows])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(native.DOMAIN, 1)],
+                              ir_version=10)
+    session = open_session(model.SerializeToString(), libraries=[native.library()])
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((1, rows, vocab)) * 3).astype(np.float32)
+    logits[0, -1] = np.nan
+    temperature, uniform = rng.uniform(0.2, 2.0, (1, rows)), rng.random((1, rows))
+    uniform[0, 0] = 0.0
+    tokens = session.run(None, {"logits": logits, "temperature": temperature, "uniform": uniform})[0]
+    expected = [native.sample_softmax(logits[0, r], temperature[0, r], uniform[0, r]) for r in range(rows)]
+    assert tokens[0].tolist() == expected and expected[-1] == -1 and len(set(expected)) > 3
+    for bad in ({"temperature": np.zeros((1, rows))}, {"uniform": np.ones((1, rows))}):
+        feeds = {"logits": logits, "temperature": temperature, "uniform": uniform} | bad
+        with pytest.raises(Exception, match="each temperature must be > 0 and each uniform in"):
+            session.run(None, feeds)

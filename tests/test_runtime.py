@@ -479,6 +479,57 @@ def test_decoding_chains_are_the_drafters_greedy_tokens_from_a_graph_without_pro
     assert ("chain", d) in rt.draft_sessions and ("chain", d, 3) in rt.batch_drafters
 
 
+def test_sampled_decoding_chains_draw_each_token_as_a_call_a_token_does(exported):
+    """Sampled incremental decoding's chains (decode_chain, decode_chains with a ChainSampling) run
+    the greedy drafter with each step's token drawn inside it (native.sampled_decoding: no TopK
+    left, a SampleSoftmax a step): the tokens, alone and several sequences in one run at
+    temperatures of their own, are the base class's, a Runtime call and sampling.draw_at a token
+    with the same uniforms; the cache after commit is the same (the next scores equal). Uniforms
+    past a chain's depth are never read."""
+    import onnx
+
+    from specinfer.engines import native
+    from specinfer.engines.runtime import ChainSampling, Runtime
+    from specinfer.export.ort_lowering import truncate_drafter
+
+    rt = OrtRuntime(exported["llama3"])
+    if not rt.samples_chains:
+        pytest.skip("sampled chains are drawn by the native kernels")
+    graph = native.sampled_decoding(truncate_drafter(onnx.load(exported["llama3"] / "draft.ort.onnx",
+                                                               load_external_data=False), 3))
+    ops = [node.op_type for node in graph.graph.node]
+    assert ops.count(native.SAMPLE_OP) == 3 and "TopK" not in ops
+    assert [o.name for o in graph.graph.output][0] == "draft_tokens"
+    d, rng = rt.draft_depth, np.random.default_rng(0)
+    calls = [((PROMPT * 2)[:6 + 3 * i], [7, 8][:1 + i % 2], [d, 3, d][i], ChainSampling([0.5, 1.0, 1.7][i], rng.random(d)))
+             for i in range(3)]
+    results = []
+    for engine in ("graph", "base"):
+        seqs = [rt.start() for _ in calls]
+        for seq, (prompt, *_) in zip(seqs, calls):
+            rt.prefill(seq, prompt)
+        chains = [(seq, tokens, depth, sampling) for seq, (_, tokens, depth, sampling) in zip(seqs, calls)]
+        if engine == "graph":
+            alone = rt.decode_chain(*chains[0])
+            rt.commit(seqs[0], [])
+            together = rt.decode_chains(chains)
+        else:
+            together = [Runtime.decode_chain(rt, *chain) for chain in chains]
+            alone = together[0]
+        after = []
+        for seq, tokens, (_, fed, *_) in zip(seqs, together, calls):
+            rt.commit(seq, range(len(fed) + 1))
+            after.append(rt.score(seq, [tokens[1]]))
+            rt.release(seq)
+        results.append((alone, together, after))
+    (alone, together, after), (_, base, base_after) = results
+    assert alone == together[0] and together == base
+    assert [len(t) for t in together] == [depth for _, _, depth, _ in calls]
+    assert len({tuple(t) for t in together}) == 3   # (the draws differ: the test sees tokens, not a constant)
+    assert all(np.array_equal(a, b) for a, b in zip(after, base_after))
+    assert ("sampled_chain", d) in rt.draft_sessions and ("sampled_chain", d, 3) in rt.batch_drafters
+
+
 def test_draft_chain_continues_only_a_chain(exported):
     rt = OrtRuntime(exported["llama3"])
     seq = rt.start()

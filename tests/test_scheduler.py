@@ -130,6 +130,8 @@ def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(
     try:
         assert llm.batch_sessions == [2, 3, 4]     # up to max_batch
         assert sorted(size for kind, _, size in llm.batch_drafters if kind == "chain") == [2, 3, 4]   # decoding's
+        assert sorted(size for kind, _, size in llm.batch_drafters if kind == "sampled_chain") == (
+            [2, 3, 4] if llm.samples_chains else [])   # sampled decoding's
         assert llm.sequences() == []               # the warm-up's sequences are gone
         sessions = dict(llm._batched)
         want = [alone(llm, p, 12) for p in PROMPTS[:3]]
@@ -172,6 +174,35 @@ def test_sampling_under_batching_is_reproducible_and_each_request_alone(models):
     single = Scheduler(llm, ssms[:1])
     want = [run_together(single, [p], 30, params, tree=[2, 1, 1])[0] for p in PROMPTS[:4]]
     assert got == want and all(isinstance(g, list) and g for g in got)
+
+
+def test_sampled_incremental_requests_batched_take_chains_together_and_draw_as_alone(models, monkeypatch):
+    """Sampled incremental requests (a temperature alone) batched, where the LLM draws in its graph:
+    their chains run together, one run of the LLM's drafter drawing each sequence's tokens at its
+    own temperature with its own uniforms; with a seed each request gives what it gives alone."""
+    llm, _ = models
+    if not llm.samples_chains:
+        pytest.skip("sampled chains are drawn by the native kernels")
+    together = []   # per decode_chains call, its sampled chains
+    monkeypatch.setattr(llm, "decode_chains", lambda calls, f=llm.decode_chains:
+                        together.append(sum(len(c) > 3 and c[3] is not None for c in calls)) or f(calls))
+    requests = [(p, SamplingParams(temperature=t, seed=5)) for p, t in zip(PROMPTS[:4], (0.5, 0.9, 1.0, 1.6))]
+    scheduler = Scheduler(llm, gather_seconds=0.01)
+    got = [None] * len(requests)
+
+    def run(i):
+        prompt, params = requests[i]
+        got[i] = [t for step in decode(scheduler.speculator(40, params, []), prompt, 40, []) for t in step]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    single = Scheduler(llm)
+    want = [[t for step in decode(single.speculator(40, params, []), prompt, 40, []) for t in step]
+            for prompt, params in requests]
+    assert got == want and max(together) > 1 and len({tuple(g) for g in got}) == len(got)
+    assert scheduler.reserved == 0 and llm.sequences() == []
 
 
 def test_sampled_requests_draft_with_the_sampling_ssms_and_greedy_ones_with_the_others(models, monkeypatch, batches_draft_trees):

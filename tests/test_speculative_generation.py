@@ -71,7 +71,8 @@ def test_greedy_stays_exact_when_drafting_stops_and_starts(pair, monkeypatch):
 def test_a_step_that_drafts_nothing_takes_a_chain_run(pair, monkeypatch, trees_against_one_token_steps):
     """Greedy, a step whose drafters draft nothing takes draft_depth tokens in one run of the LLM's
     drafter graph, as incremental decoding does, and the SSM catches up at its next draft: token
-    for token incremental decoding. Sampled, such a step is one token."""
+    for token incremental decoding. Sampled at a temperature alone, such a step takes a chain too
+    where the LLM draws in its graph (Runtime.samples_chains); with a top-k cut, one token."""
     from specinfer.tree_sizing import Acceptance, step_cost
 
     turns = iter(range(10**6))
@@ -82,17 +83,23 @@ def test_a_step_that_drafts_nothing_takes_a_chain_run(pair, monkeypatch, trees_a
     for prompt in PROMPTS:
         want = tokens(llm, prompt, n=60, eos=None)
         with monkeypatch.context() as m:
-            m.setattr(llm, "decode_chain", lambda seq, t, depth, f=llm.decode_chain: runs.append(depth) or f(seq, t, depth))
+            m.setattr(llm, "decode_chain", lambda seq, t, depth, sampling=None, f=llm.decode_chain:
+                      runs.append(depth) or f(seq, t, depth, sampling))
             m.setattr(llm, "score", lambda seq, t, *a, f=llm.score: trees.append(len(t)) or f(seq, t, *a))
             stats = Stats()
             assert tokens(llm, prompt, n=60, eos=None, ssms=[close], stats=stats) == want
         assert set(runs) == {llm.draft_depth} and stats.steps == len(runs) + len(trees)
         assert any(t > 1 for t in trees)    # and the other steps verified the SSM's drafts
+        for params, chained in ((SamplingParams(temperature=1.0, seed=1), llm.samples_chains),
+                                (SamplingParams(temperature=1.0, top_k=5, seed=1), False)):
+            runs.clear(), trees.clear()
+            with monkeypatch.context() as m:
+                m.setattr(llm, "decode_chain", lambda seq, t, depth, sampling=None, f=llm.decode_chain:
+                          runs.append(sampling is not None) or f(seq, t, depth, sampling))
+                m.setattr(llm, "score", lambda seq, t, *a, f=llm.score: trees.append(len(t)) or f(seq, t, *a))
+                tokens(llm, prompt, n=40, eos=None, ssms=[close], params=params)
+            assert bool(runs) == chained and all(runs) and (not chained or any(t > 1 for t in trees))
         runs.clear(), trees.clear()
-        with monkeypatch.context() as m:
-            m.setattr(llm, "decode_chain", lambda *a: runs.append(a))
-            tokens(llm, prompt, n=20, ssms=[close], params=SamplingParams(temperature=1.0, seed=1))
-        assert runs == []
     assert llm.sequences() == [] and close.sequences() == []
 
 
@@ -150,12 +157,13 @@ def test_incremental_steps_taken_several_in_one_run_are_the_llms_greedy_decoding
     """Greedy incremental decoding on ONNX Runtime runs up to draft_depth steps in one run of the
     LLM's drafter graph: token for token its decoding a call per token, computing no token past
     max_new_tokens or the context. Runs are of draft_depth steps only (another depth would open
-    another session); the steps left over are taken one a call. Sampling, or a drafter with a
-    draft vocabulary: step by step."""
+    another session); the steps left over are taken one a call. Sampling with a top-k or top-p
+    cut, or a drafter with a draft vocabulary: step by step."""
     llm = pair["llm"]
     assert llm.draft_depth > 1
     runs, scored = [], []
-    monkeypatch.setattr(llm, "decode_chain", lambda seq, t, depth, f=llm.decode_chain: runs.append(depth) or f(seq, t, depth))
+    monkeypatch.setattr(llm, "decode_chain", lambda seq, t, depth, sampling=None, f=llm.decode_chain:
+                        runs.append(depth) or f(seq, t, depth, sampling))
     monkeypatch.setattr(llm, "score", lambda seq, t, *a, f=llm.score: scored.append(len(t)) or f(seq, t, *a))
     for prompt in PROMPTS:
         for n in (1, 2, 5, llm.draft_depth, 40):
@@ -171,7 +179,8 @@ def test_incremental_steps_taken_several_in_one_run_are_the_llms_greedy_decoding
     assert tokens(small, PROMPTS[0], n=30, eos=None, stats=stats) == greedy_a_token_a_call(llm, PROMPTS[0], 10, eos=None)
     assert stats.stop_reason == "context capacity"
     assert llm.sequences() == [] and small.sequences() == []
-    for params, vocab in ((SamplingParams(temperature=1.0), None), (SamplingParams(), np.arange(64))):
+    for params, vocab in ((SamplingParams(temperature=1.0, top_p=0.9), None), (SamplingParams(temperature=1.0, top_k=3), None),
+                          (SamplingParams(), np.arange(64)), (SamplingParams(temperature=1.0), np.arange(64))):
         monkeypatch.setattr(llm, "draft_vocab", vocab)
         speculator = generate.LocalSpeculator(llm, tree=[], params=params)
         assert not speculator.chained
@@ -182,6 +191,30 @@ def test_ssm_with_another_vocabulary_is_refused(pair, tmp_path):
     other = make_checkpoint(tmp_path / "v", "llama2", vocab_size=400)
     with pytest.raises(SpecInferError, match="SSM 0 has vocab size 400 but the LLM has 320"):
         tokens(pair["llm"], [1, 2], ssms=[TorchRuntime(other, max_context=64)])
+
+
+def test_sampled_incremental_steps_taken_several_in_one_run_draw_what_a_step_a_token_draws(pair, monkeypatch):
+    """Sampled at a temperature alone, incremental decoding where the LLM's graph draws
+    (Runtime.samples_chains: the native kernels) runs draft_depth steps in one run of its drafter
+    graph, each step's token drawn inside it: with the same seed, token for token what it draws a
+    Runtime call and a draw a token (the same uniforms, one a token, the same inverse CDF on the
+    same logits), at temperatures below and above 1."""
+    llm = pair["llm"]
+    if not llm.samples_chains:
+        pytest.skip("sampled chains are drawn by the native kernels")
+    runs = []
+    monkeypatch.setattr(llm, "decode_chain", lambda seq, t, depth, sampling=None, f=llm.decode_chain:
+                        runs.append(sampling is not None and depth) or f(seq, t, depth, sampling))
+    for prompt in PROMPTS:
+        for temperature in (0.6, 1.4):
+            params = SamplingParams(temperature=temperature, seed=len(prompt))
+            runs.clear()
+            chained = tokens(llm, prompt, n=40, eos=None, params=params)
+            assert runs == [llm.draft_depth] * (40 // llm.draft_depth), runs
+            with monkeypatch.context() as m:
+                m.setattr(llm, "samples_chains", False)
+                assert tokens(llm, prompt, n=40, eos=None, params=params) == chained
+    assert llm.sequences() == []
 
 
 # --- multi-step speculative sampling keeps the LLM's distribution --------------------------------
@@ -218,6 +251,25 @@ def test_mss_keeps_the_llm_distribution(tiny_vocab, setup, monkeypatch):
     counts = first_two_counts(llm, ssms, None if setup.startswith("dynamic") else [3, 2], params, prompt=prompt,
                               lookup=lookup)
     p = chi_square_p(counts, exact_first_two(llm, params, prompt))
+    assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
+
+
+def test_sampled_chain_runs_keep_the_llm_distribution(tiny_vocab, monkeypatch):
+    """Sampled incremental decoding in chain runs of the LLM's drafter graph (the first two of a
+    run's tokens): distributed as the LLM's own sampling (chi-square against the exact
+    probabilities)."""
+    (llm, _, _), _ = tiny_vocab
+    if not llm.samples_chains:
+        pytest.skip("sampled chains are drawn by the native kernels")
+    runs = []
+    monkeypatch.setattr(llm, "decode_chain", lambda seq, t, depth, sampling=None, f=llm.decode_chain:
+                        runs.append(depth) or f(seq, t, depth, sampling))
+    params, counts = SamplingParams(temperature=0.8), np.zeros((V, V))
+    for seed in range(TRIALS):
+        out = tokens(llm, [3, 1, 4], n=llm.draft_depth, eos=None, params=SamplingParams(0.8, seed=seed))
+        counts[out[0], out[1]] += 1
+    assert runs == [llm.draft_depth] * TRIALS
+    p = chi_square_p(counts, exact_first_two(llm, params))
     assert p > 1e-3, f"first two tokens not distributed as the LLM's (chi-square p = {p:.2e})"
 
 

@@ -603,6 +603,63 @@ def use_draft_chain(model, weights_dir: Path, packed: dict[str, object]):
     return out
 
 
+SAMPLE_OP = "SampleSoftmax"
+
+
+def sampled_decoding(model):
+    """A greedy drafter (``ort_lowering.lower_drafter``, maybe cut by ``truncate_drafter``, not yet
+    batched, scoring the whole vocabulary) rewritten for sampled incremental decoding: each step's
+    token is drawn from softmax(logits / temperature) by a ``SampleSoftmax`` node (the draw of
+    ``sampling.draw``, :func:`sample_softmax`'s code) at the uniform fed for it, where the graph
+    took the argmax, and the next step scores that token. Inputs added: ``sampling_temperature``
+    and ``sampling_uniform.<j>``, float64 [1, 1] (``batch_drafter`` makes them [1, n]); outputs the
+    drawn tokens, ``draft_tokens`` int64 [1, depth, 1], and the caches. Why: sampled incremental
+    decoding ran a Runtime call and a draw in Python a token, where greedy decoding takes a chain
+    of tokens in one run of this graph."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ..export.ort_lowering import DRAFT_OUTPUTS, SAMPLING_TEMPERATURE, SAMPLING_UNIFORM, keep_what_outputs_need
+
+    if any(init.name == "draft_vocab" for init in model.graph.initializer):
+        raise ValueError("a drafter with a draft vocabulary cannot decode: its head scores part of the vocabulary")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    depth = next(o for o in graph.output if o.name == "draft_tokens").type.tensor_type.shape.dim[1].dim_value
+    tops = {n.output[0]: n for n in graph.node if n.op_type == "TopK"}
+    nodes, drawn = [], []
+    for node in graph.node:
+        if node.op_type == "Gather" and node.output[0].endswith("/token"):
+            continue   # the argmax a later step read: the draw below takes its name
+        if node.output[0] == "draft_tokens":
+            node = helper.make_node("Concat", drawn, ["draft_tokens"], name="draft_tokens", axis=1)
+        nodes.append(node)
+        step = node.output[0][:-len("top")] if node.output[0] in tops else None
+        if step is not None:
+            j = int(step[len("step"):-1])
+            token = f"{step}token"
+            nodes.append(helper.make_node(SAMPLE_OP, [node.input[0], SAMPLING_TEMPERATURE, f"{SAMPLING_UNIFORM}.{j}"],
+                                          [token], name=token, domain=DOMAIN))
+            nodes.append(helper.make_node("Unsqueeze", [token, "sampling_row_axis"], [f"{step}drawn"],
+                                          name=f"{step}drawn"))
+            drawn.append(f"{step}drawn")
+    if len(drawn) != depth:
+        raise ValueError(f"not a drafter of {depth} steps")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), "sampling_row_axis"))
+    graph.input.extend([helper.make_tensor_value_info(SAMPLING_TEMPERATURE, TensorProto.DOUBLE, [1, 1])]
+                       + [helper.make_tensor_value_info(f"{SAMPLING_UNIFORM}.{j}", TensorProto.DOUBLE, [1, 1])
+                          for j in range(depth)])
+    outputs = [o for o in graph.output if o.name not in DRAFT_OUTPUTS[1:]]
+    outputs[0].type.tensor_type.shape.dim[2].dim_value = 1
+    del graph.output[:]
+    graph.output.extend(outputs)
+    keep_what_outputs_need(graph, inputs=False)   # the TopKs and the mass go; every input stays
+    return _import_domain(out)
+
+
 @functools.lru_cache(maxsize=None)
 def _shaping():
     """``kernels/shaping.c``'s functions through ctypes (``softmax``, ``sample_softmax``,

@@ -28,7 +28,7 @@ from ..errors import SpecInferError
 from ..export.draft_vocab import read_draft_vocab
 from ..export.ort_lowering import LOGIT_ROWS, WEIGHTS
 from . import native
-from .runtime import ChainDraft, Runtime, SequenceState, check_kv_dtype, check_matmul_dtype
+from .runtime import ChainDraft, ChainSampling, Runtime, SequenceState, check_kv_dtype, check_matmul_dtype
 
 MANIFEST = "manifest.json"
 LOWEST = np.finfo(np.float32).min
@@ -232,9 +232,12 @@ class OrtRuntime(Runtime):
         # The drafters (greedy and sampled), each opened at its first draft: a target LLM never drafts.
         self._drafters = {"draft": self.manifest.get("draft_onnx"), "sampled_draft": self.manifest.get("sampled_draft_onnx")}
         self._drafters["chain"] = self._drafters["draft"]   # greedy decoding's chains: its tokens only
+        # Sampled decoding's chains: the greedy drafter drawing each token (native.sampled_decoding)
+        self._drafters["sampled_chain"] = self._drafters["draft"] if native.library() is not None else None
         self.draft_depth = self.manifest.get("draft_depth", 1) if self._drafters["draft"] else 1
         self.draft_candidates = self.manifest.get("draft_candidates", self.draft_candidates)
         self.draft_vocab = read_draft_vocab(self.dir, config.vocab_size)   # its drafters score these only
+        self.samples_chains = self._drafters["sampled_chain"] is not None and self.draft_vocab is None
         self._draft_graphs: dict[str, object] = {}            # kind -> the export's drafter graph
         self._draft_sessions: dict[tuple[str, int], object] = {}   # (kind, steps) -> its session
         # (kind, steps, batch size) -> the batched drafter's session, binding and each slot's cache
@@ -334,16 +337,21 @@ class OrtRuntime(Runtime):
         else one Runtime call per token (the base class)."""
         return self._chain(seq_id, tokens, depth, noise, "draft" if noise is None else "sampled_draft")
 
-    def decode_chain(self, seq_id, tokens, depth: int) -> list[int]:
+    def decode_chain(self, seq_id, tokens, depth: int, sampling: ChainSampling | None = None) -> list[int]:
         """:meth:`draft_chain`'s greedy tokens from the greedy drafter cut to its tokens
-        (:func:`~specinfer.export.ort_lowering.tokens_only`)."""
-        return self._chain(seq_id, tokens, depth, None, "chain").tokens
+        (:func:`~specinfer.export.ort_lowering.tokens_only`); sampled, the tokens drawn by that
+        drafter drawing each step's token (:func:`~specinfer.engines.native.sampled_decoding`)."""
+        kind = "chain" if sampling is None else "sampled_chain"
+        return self._chain(seq_id, tokens, depth, None, kind, sampling).tokens
 
-    def _chain(self, seq_id, tokens, depth: int, noise: np.ndarray | None, kind: str) -> ChainDraft:
+    def _chain(self, seq_id, tokens, depth: int, noise: np.ndarray | None, kind: str,
+               sampling: ChainSampling | None = None) -> ChainDraft:
         """One sequence's chain by the drafter of ``kind`` where it fits, else the base class's."""
         seq = self._get(seq_id)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if not self._drafter_fits(seq, tokens, depth, depth, noise, kind):
+            if kind == "sampled_chain":
+                return _tokens_only(super().decode_chain(seq_id, tokens, depth, sampling))
             return super().draft_chain(seq_id, tokens, depth, noise)
         self._before_draft(seq_id, seq, tokens, depth)
         if (kind, depth) not in seq.bindings:
@@ -359,10 +367,12 @@ class OrtRuntime(Runtime):
         if noise is not None:
             for j in range(depth):
                 binding.feed(f"draft_noise.{j}", np.ascontiguousarray(noise[j], np.float32).reshape(1, 1, -1), fresh=True)
+        if sampling is not None:
+            _feed_sampling(binding, depth, {0: sampling}, 1)
         outputs = binding.outputs_of(self._draft_outputs(kind, depth))
         binding.session.run_with_iobinding(binding.io)
         self._after_draft(seq, len(tokens), depth)
-        return _chain_draft([o[0] for o in outputs], depth, sampled=noise is not None)
+        return _drawn(_chain_draft([o[0] for o in outputs], depth, sampled=noise is not None))
 
     def draft_chains(self, calls) -> list[ChainDraft]:
         """Several sequences' chains in one run of the drafter rewritten for that many sequences
@@ -373,15 +383,26 @@ class OrtRuntime(Runtime):
         return self._chains(calls, decoding=False)
 
     def decode_chains(self, calls) -> list[list[int]]:
-        """:meth:`draft_chains` of greedy chains, their tokens only, from the drafter cut to them."""
-        return [draft.tokens for draft in self._chains([(*call, None) for call in calls], decoding=True)]
+        """:meth:`draft_chains` of decoding chains, greedy ones and sampled ones apart, their tokens
+        only: greedy from the drafter cut to them, sampled from the one drawing each token."""
+        calls = [(*call[:3], call[3] if len(call) > 3 else None) for call in calls]
+        return [draft.tokens for draft in self._chains(calls, decoding=True)]
 
     def _chains(self, calls, decoding: bool) -> list[ChainDraft]:
-        def kind_of(noise) -> str:
-            return "chain" if decoding else "draft" if noise is None else "sampled_draft"
+        """Chains of several sequences, ``(seq_id, tokens, depth, extra)`` each: ``extra`` a draft's
+        noise (None: greedy), or with ``decoding`` a decoding chain's sampling (None: greedy)."""
+        def kind_of(extra) -> str:
+            if decoding:
+                return "chain" if extra is None else "sampled_chain"
+            return "draft" if extra is None else "sampled_draft"
+
+        def alone(call) -> ChainDraft:
+            seq_id, tokens, depth, extra = call
+            return self._chain(seq_id, tokens, depth, None if decoding else extra, kind_of(extra),
+                               extra if decoding else None)
 
         if len(calls) == 1:   # one sequence (decoding alone): no batch to group or check
-            return [self._chain(*calls[0], kind_of(calls[0][3]))]
+            return [alone(calls[0])]
         self._check_distinct(calls)
         for seq_id, tokens, _, _ in calls:
             self._check_pending_chain(seq_id)
@@ -393,14 +414,15 @@ class OrtRuntime(Runtime):
         out: list = [None] * len(calls)
         for kind, members in groups.items():
             members = [i for i in members if self._drafter_fits(
-                self._get(calls[i][0]), np.asarray(calls[i][1]).reshape(-1), calls[i][2], depth[kind], calls[i][3], kind)]
+                self._get(calls[i][0]), np.asarray(calls[i][1]).reshape(-1), calls[i][2], depth[kind],
+                None if decoding else calls[i][3], kind)]
             if len(members) < 2:
                 continue
             for first in range(0, len(members), BATCH_SIZES[-1]):
                 chunk = members[first:first + BATCH_SIZES[-1]]
                 for i, draft in zip(chunk, self._draft_batch(kind, [calls[i] for i in chunk], depth[kind])):
                     out[i] = draft
-        return [draft if draft is not None else self._chain(*call, kind_of(call[3])) for draft, call in zip(out, calls)]
+        return [draft if draft is not None else alone(call) for draft, call in zip(out, calls)]
 
     def _drafter_fits(self, seq: SequenceState, tokens: np.ndarray, depth: int, run_depth: int,
                       noise: np.ndarray | None, kind: str) -> bool:
@@ -425,8 +447,8 @@ class OrtRuntime(Runtime):
         """A drafter's outputs for ``rows`` (steps x sequences): greedy, each step's two likeliest
         tokens, their logits and its mass (decoding: the tokens alone); sampled, its candidates,
         their logits and the draw."""
-        if kind == "chain":
-            return (("draft_tokens", (1, rows, 2), np.int64),)
+        if kind in ("chain", "sampled_chain"):   # its tokens only: the two likeliest, or the one drawn
+            return (("draft_tokens", (1, rows, 2 if kind == "chain" else 1), np.int64),)
         if kind == "draft":
             k, last = 2, ("draft_mass", (1, rows, 1), np.float32)
         else:
@@ -466,6 +488,8 @@ class OrtRuntime(Runtime):
         for slot, end in enumerate(ends):
             binding.set(f"seqlens_k.{slot}", end - 1)
             binding.set(f"total_sequence_length.{slot}", end, ())
+        if kind == "sampled_chain":
+            _feed_sampling(binding, depth, {slot: call[3] for slot, call in zip(slots, calls)}, size)
         if kind == "sampled_draft":   # each sequence's noise for its steps; zeros past them
             noise = np.zeros((depth, size, self.draft_candidates), np.float32)
             for slot, (_, _, d, call_noise) in zip(slots, calls):
@@ -478,7 +502,7 @@ class OrtRuntime(Runtime):
         for seq, chain, slot, (_, _, d, _) in zip(seqs, chains, slots, calls):
             self._after_draft(seq, len(chain), depth)
             rows = [o[0].reshape(depth, size, -1)[:d, slot] for o in outputs]
-            drafts.append(_chain_draft(rows, d, sampled=kind == "sampled_draft"))
+            drafts.append(_drawn(_chain_draft(rows, d, sampled=kind == "sampled_draft")))
         return drafts
 
     def _draft_session(self, kind: str, steps: int):
@@ -493,10 +517,11 @@ class OrtRuntime(Runtime):
 
         from ..export.ort_lowering import truncate_drafter
 
-        kind = "draft" if kind == "chain" else kind   # decoding's chains: the greedy drafter, cut at _open
-        if kind not in self._draft_graphs:
-            self._draft_graphs[kind] = onnx.load(self.dir / self._drafters[kind], load_external_data=False)
-        return truncate_drafter(self._draft_graphs[kind], steps)
+        source = "draft" if kind in ("chain", "sampled_chain") else kind   # decoding's chains: the greedy drafter
+        if source not in self._draft_graphs:
+            self._draft_graphs[source] = onnx.load(self.dir / self._drafters[source], load_external_data=False)
+        graph = truncate_drafter(self._draft_graphs[source], steps)   # (greedy decoding's is cut at _open)
+        return native.sampled_decoding(graph) if kind == "sampled_chain" else graph
 
     def _forward(self, seq: SequenceState, tokens, positions, visible, last_only: bool = False) -> np.ndarray:
         start = seq.length + seq.pending          # the new tokens' first slot
@@ -728,6 +753,35 @@ def _chain_draft(outputs: list[np.ndarray], depth: int, sampled: bool) -> ChainD
     probability = np.exp(top - top[:, :1]) / last[:, None]
     return ChainDraft(drafted[:, 0].tolist(), probability[:, 0].tolist(),
                       drafted[:, 1].tolist(), probability[:, 1].tolist(), [], [])
+
+
+def _tokens_only(tokens: list[int]) -> ChainDraft:
+    """A decoding chain's tokens as a :class:`ChainDraft`."""
+    return ChainDraft(tokens, [], [], [], [], [])
+
+
+def _drawn(draft: ChainDraft) -> ChainDraft:
+    """``draft``, refused where a token is -1: a sampled decoding chain's row of logits had no mass
+    to draw from (not finite)."""
+    if draft.tokens and min(draft.tokens) < 0:
+        raise SpecInferError("the LLM's logits have no mass to sample from (they are not finite)")
+    return draft
+
+
+def _feed_sampling(binding: "_Binding", depth: int, samplings: dict, size: int) -> None:
+    """A sampled decoding chain's inputs for ``size`` slots (``samplings``: slot -> its
+    :class:`ChainSampling`): each slot's temperature and its uniform at each step; a spare slot,
+    or a step past a chain's uniforms, draws at temperature 1 and uniform 0.5 what no one reads."""
+    from ..export.ort_lowering import SAMPLING_TEMPERATURE, SAMPLING_UNIFORM
+
+    temperature, uniform = np.ones((1, size)), np.full((depth, 1, size), 0.5)
+    for slot, sampling in samplings.items():
+        temperature[0, slot] = sampling.temperature
+        steps = min(depth, len(sampling.uniforms))
+        uniform[:steps, 0, slot] = sampling.uniforms[:steps]
+    binding.feed(SAMPLING_TEMPERATURE, temperature)
+    for j in range(depth):
+        binding.feed(f"{SAMPLING_UNIFORM}.{j}", uniform[j])
 
 
 class _Binding:

@@ -39,6 +39,15 @@ class ChainDraft(NamedTuple):
     candidate_logits: list[np.ndarray]   # sampled: their logits (temperature 1), float32
 
 
+class ChainSampling(NamedTuple):
+    """How :meth:`Runtime.decode_chain` draws under sampling: step i's token from softmax(logits /
+    ``temperature``) by the inverse CDF at ``uniforms[i]`` (``sampling.draw``'s draw, no top-k or
+    top-p cut), where greedy decoding takes the argmax."""
+
+    temperature: float
+    uniforms: np.ndarray   # float64 [>= depth], each in [0, 1)
+
+
 def chain_draw(logits: np.ndarray, noise: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     """A sampled chain's step: the ``len(noise)`` likeliest tokens (ties to the lower id) and the
     one drawn among them by Gumbel-max, the argmax of their logits plus ``noise`` (temperature x
@@ -125,6 +134,9 @@ class Runtime(abc.ABC):
     # asked at start. None: the whole capacity at once (an engine that cannot move its buffers).
     initial_slots: int | None = None
     slot_axis: int = 2          # the KV buffer's slot axis (growth copies the committed slots)
+    # Whether decode_chain draws a sampled chain in one run (the engine's graph draws each token),
+    # not a call a token: sampled incremental decoding then takes its tokens as greedy does.
+    samples_chains: bool = False
     # Released sequences kept, buffer and handles, for the next starts (at most this many; 0: none):
     # an engine's per-sequence handles are then made once, not per request (ONNX Runtime binds a
     # sequence's cache to each session it runs, ~0.2 ms a binding, about ten a request of the
@@ -360,16 +372,33 @@ class Runtime(abc.ABC):
         self._check_distinct(calls)
         return [self.draft_chain(*call) for call in calls]
 
-    def decode_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int) -> list[int]:
-        """Greedy incremental decoding of ``depth`` tokens after ``tokens`` in the fewest calls:
-        :meth:`draft_chain`'s greedy tokens, and the sequence left as it leaves it; an engine may
-        skip what only drafting needs (the probabilities)."""
-        return self.draft_chain(seq_id, tokens, depth).tokens
+    def decode_chain(self, seq_id: Hashable, tokens: Sequence[int], depth: int,
+                     sampling: ChainSampling | None = None) -> list[int]:
+        """Incremental decoding of ``depth`` tokens after ``tokens`` in the fewest calls, greedy
+        (:meth:`draft_chain`'s tokens) or drawn as ``sampling`` says, the sequence left as
+        :meth:`draft_chain` leaves it; an engine may skip what only drafting needs (the
+        probabilities). Here a sampled chain takes a call a token; an engine whose graph draws
+        (:attr:`samples_chains`) takes one."""
+        if sampling is None:
+            return self.draft_chain(seq_id, tokens, depth).tokens
+        from ..sampling import SamplingParams, draw_at
+
+        self._check_pending_chain(seq_id)
+        params, chain = SamplingParams(sampling.temperature), []
+        logits = self.score(seq_id, tokens)[-1]
+        for i in range(depth):
+            chain.append(draw_at(logits, params, float(sampling.uniforms[i])))
+            if i + 1 < depth:
+                logits = self.score(seq_id, [chain[-1]])[0]
+        return chain
 
     def decode_chains(self, calls: Sequence[tuple]) -> list[list[int]]:
-        """:meth:`decode_chain` for several sequences, ``(seq_id, tokens, depth)`` each, in one
-        model run where the engine can."""
-        return [draft.tokens for draft in self.draft_chains([(*call, None) for call in calls])]
+        """:meth:`decode_chain` for several sequences, ``(seq_id, tokens, depth)`` or ``(seq_id,
+        tokens, depth, sampling)`` each, in one model run where the engine can."""
+        if any(len(call) > 3 and call[3] is not None for call in calls):
+            self._check_distinct(calls)
+            return [self.decode_chain(*call) for call in calls]
+        return [draft.tokens for draft in self.draft_chains([(*call[:3], None) for call in calls])]
 
     @staticmethod
     def _check_distinct(calls: Sequence[tuple]) -> None:

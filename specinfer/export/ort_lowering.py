@@ -43,6 +43,10 @@ DRAFT_DEPTH = 8               # tokens one drafter call proposes (a drafter may 
 DRAFT_CANDIDATES = 16
 DRAFT_OUTPUTS = ("draft_tokens", "draft_logits", "draft_mass", "draft_choice")
 DRAFT_INDICES, DRAFT_ALL_LOGITS = "draft_indices", "draft_all_logits"   # the steps' values joined inside
+# A sampled decoding chain's inputs (native.sampled_decoding): each sequence's temperature, and each
+# step's uniform (".{step}"), float64 [1, sequences].
+SAMPLING_TEMPERATURE, SAMPLING_UNIFORM = "sampling_temperature", "sampling_uniform"
+PER_SEQUENCE_ROWS = ("draft_noise.", SAMPLING_TEMPERATURE, SAMPLING_UNIFORM)   # inputs with a row a sequence
 MS = "com.microsoft"
 
 
@@ -476,7 +480,7 @@ def truncate_drafter(model: "onnx.ModelProto", depth: int) -> "onnx.ModelProto":
             o.type.tensor_type.shape.dim[1].dim_value = depth
     del graph.output[:]
     graph.output.extend(outputs)
-    _keep_what_outputs_need(graph)
+    keep_what_outputs_need(graph)
     return cut
 
 
@@ -495,11 +499,11 @@ def tokens_only(model: "onnx.ModelProto") -> "onnx.ModelProto":
     outputs = [o for o in graph.output if o.name not in DRAFT_OUTPUTS[1:]]
     del graph.output[:]
     graph.output.extend(outputs)
-    _keep_what_outputs_need(graph, inputs=False)   # every input stays: the caller binds them all
+    keep_what_outputs_need(graph, inputs=False)   # every input stays: the caller binds them all
     return out
 
 
-def _keep_what_outputs_need(graph, inputs: bool = True) -> None:
+def keep_what_outputs_need(graph, inputs: bool = True) -> None:
     """Drop the nodes, weights, value infos and (``inputs``) inputs no output of ``graph`` needs,
     walking its (topologically sorted) nodes backwards."""
     needed, kept = {o.name for o in graph.output}, []
@@ -603,7 +607,7 @@ def batch_drafter(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
     ``total_sequence_length.<slot>``. Outputs are the drafter's with the sequences side by side:
     ``draft_tokens`` [1, depth x n, K] step-major (step j of sequence s at row j x n + s), and so
     ``draft_logits`` and ``draft_mass``/``draft_choice``; a sampled drafter's ``draft_noise.<j>`` is
-    [1, n, K]. Each sequence's rows are what the drafter computes for it alone: the same kernels
+    [1, n, K], a sampled decoding chain's temperature and uniforms [1, n]. Each sequence's rows are what the drafter computes for it alone: the same kernels
     on its own rows."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -671,7 +675,7 @@ def batch_drafter(model: "onnx.ModelProto", slots: int) -> "onnx.ModelProto":
     for value in graph.input:
         if value.name in per_slot:
             inputs += [renamed(value, f"{value.name}.{s}") for s in range(slots)]
-        elif value.name.startswith("draft_noise."):
+        elif value.name.startswith(PER_SEQUENCE_ROWS):
             inputs.append(renamed(value, value.name, {1: slots}))
         else:
             inputs.append(value)

@@ -74,7 +74,8 @@ typedef struct OrtCustomOp {
     void *GetMayInplace, *ReleaseMayInplace, *GetAliasMap, *ReleaseAliasMap;
 } OrtCustomOp;
 
-enum { TYPE_UNDEFINED = 0, TYPE_FLOAT = 1, TYPE_INT8 = 3, TYPE_INT32 = 6, TYPE_INT64 = 7, TYPE_FLOAT16 = 10, TYPE_BFLOAT16 = 16 };
+enum { TYPE_UNDEFINED = 0, TYPE_FLOAT = 1, TYPE_INT8 = 3, TYPE_INT32 = 6, TYPE_INT64 = 7, TYPE_FLOAT16 = 10, TYPE_DOUBLE = 11,
+       TYPE_BFLOAT16 = 16 };
 enum { INPUT_REQUIRED = 0, INPUT_OPTIONAL = 1, INPUT_VARIADIC = 2 };
 
 typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);

@@ -10,7 +10,7 @@ extern OrtCustomOp matmul_f16w_op, matmul_f16w_swiglu_op, normed_matmul_f16w_op,
     matmul_bf16_op, matmul_bf16_swiglu_op, normed_matmul_bf16_op, normed_matmul_bf16_swiglu_op,
     matmul_i8_op, matmul_i8_swiglu_op, normed_matmul_i8_op, normed_matmul_i8_swiglu_op,
     tree_attention_op, tree_attention_slots_op, tree_attention_f16_op, tree_attention_slots_f16_op, draft_chain_op,
-    draft_chain_sampled_op;
+    draft_chain_sampled_op, sample_softmax_op;
 static OrtCustomOpDomain *domain;
 
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
@@ -30,7 +30,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
                               &tree_attention_f16_op,  &tree_attention_slots_f16_op, &draft_chain_op,
                               &draft_chain_sampled_op, &matmul_bf16_op, &matmul_bf16_swiglu_op,
                               &normed_matmul_bf16_op, &normed_matmul_bf16_swiglu_op, &matmul_i8_op,
-                              &matmul_i8_swiglu_op, &normed_matmul_i8_op, &normed_matmul_i8_swiglu_op};
+                              &matmul_i8_swiglu_op, &normed_matmul_i8_op, &normed_matmul_i8_swiglu_op,
+                              &sample_softmax_op};
         for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
             status = CALL(CustomOpDomain_Add, OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *))(made, ops[i]);
             if (status) return status;

@@ -2,7 +2,7 @@
  * every sampled token goes through; below it, the draw of a token by the inverse CDF from such
  * logits, from a residual or from a distribution (specinfer_sample_softmax,
  * specinfer_sample_residual). specinfer/sampling.py and verify.py call them through ctypes, not
- * ONNX Runtime.
+ * ONNX Runtime; the op SampleSoftmax (at the end) draws inside a graph, as sampling.draw does.
  *
  * Why: numpy shapes an 8k-token row in ~29 us (seven passes, each a call), a twentieth of an LLM
  * step, and a sampled step shapes 2-5 rows; here it is one pass to widen, scale and find the
@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ort_api.h"
 #include "simd.h"
 
 /* exp(x) for x <= 0, 8 lanes of float64; 0 below -708 (under the smallest normal double). */
@@ -151,3 +152,54 @@ __attribute__((visibility("default"))) int64_t specinfer_sample_residual(const d
     Residual r = {p, q};
     return inverse_cdf(residual_weights, &r, V, u);
 }
+
+/* SampleSoftmax: each row of logits [..., V] (float) drawn from at its own temperature and uniform
+ * (double, one each a row, in any shape of as many), the token specinfer_sample_softmax gives it
+ * (sampling.draw, exactly), out int64 [...]: sampled incremental decoding's chain of tokens in one
+ * run of the LLM's drafter graph (ort_lowering.sampled_decoding), no Python between its steps. A
+ * row without mass (logits not finite) gets -1, which the runtime refuses. */
+static OrtStatus *fail(const char *message) { return op_error("SampleSoftmax", message); }
+
+static size_t count_of(const OrtValue *value) {
+    int64_t dims[8];
+    size_t rank = shape_of(value, dims, 8), n = 1;
+    for (size_t i = 0; i < rank; i++) n *= (size_t)dims[i];
+    return n;
+}
+
+static OrtStatus *compute_sample(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    const OrtValue *in[3] = {NULL};
+    for (size_t i = 0; i < 3; i++) CALL(KernelContext_GetInput, GetInputFn)(ctx, i, &in[i]);
+    int64_t dims[8];
+    size_t rank = shape_of(in[0], dims, 8);
+    if (rank < 1 || rank == 8 || dims[rank - 1] < 1) return fail("logits must be [..., V], V >= 1");
+    size_t V = (size_t)dims[rank - 1], rows = count_of(in[0]) / V;
+    if (count_of(in[1]) != rows || count_of(in[2]) != rows)
+        return fail("temperature and uniform must have one value for each row of logits");
+    const float *logits = data_of(in[0]);
+    const double *temperature = data_of(in[1]), *uniform = data_of(in[2]);
+    for (size_t r = 0; r < rows; r++)
+        if (!(temperature[r] > 0.0) || !(uniform[r] >= 0.0 && uniform[r] < 1.0))
+            return fail("each temperature must be > 0 and each uniform in [0, 1)");
+    OrtValue *out = NULL;
+    CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank - 1, &out);
+    int64_t *tokens = data_of(out);
+    for (size_t r = 0; r < rows; r++)
+        tokens[r] = specinfer_sample_softmax(logits + r * V, (int64_t)V, temperature[r], uniform[r]);
+    return NULL;
+}
+
+static void compute_sample_v1(void *kernel, OrtKernelContext *ctx) { (void)kernel; (void)ctx; }   /* never called: V2 is set */
+static const char *sample_name(const OrtCustomOp *op) { (void)op; return "SampleSoftmax"; }
+static int sample_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_DOUBLE; }
+static size_t sample_inputs(const OrtCustomOp *op) { (void)op; return 3; }
+static int sample_output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_INT64; }
+static size_t sample_outputs(const OrtCustomOp *op) { (void)op; return 1; }
+
+OrtCustomOp sample_softmax_op = {
+    API_VERSION, stateless_kernel, sample_name, op_cpu, sample_input_type, sample_inputs, sample_output_type,
+    sample_outputs, compute_sample_v1, op_destroy, op_required, op_required, op_default_memory, op_arity,
+    op_homogeneous, op_arity, op_homogeneous, stateless_kernel_v2, compute_sample, NULL, op_start_version,
+    op_end_version, NULL, NULL, NULL, NULL,
+};
