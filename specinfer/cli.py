@@ -428,7 +428,7 @@ def _add_precision(p, default: str | None = "float32") -> None:
                         "from float32's; native kernels on a CPU with AVX512-BF16 only); int8 quantizes weights per "
                         "column and activations per row and sums exactly, at twice bfloat16's rate and half its "
                         "weight bytes (a step ~1.6-2x faster than bfloat16's; logits move by ~1-2%% of their range, "
-                        "greedy output differs from float32's more often; AVX512-VNNI only). The SSMs keep float32 "
+                        "greedy output differs from float32's more often; AVX512-VNNI, or AVX2 at ~1.4x float32's one token). The SSMs keep float32 "
                         "(default float32)")
 
 

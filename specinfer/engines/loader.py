@@ -56,7 +56,7 @@ def load_runtime(model_dir: str | Path, engine: str = "onnxruntime", max_context
                  threads: int | None = None, kv_dtype: str = "float32", matmul_dtype: str = "float32") -> Runtime:
     """Open a model folder (an export, or a checkpoint) on the chosen engine, its KV caches of
     ``kv_dtype`` (float16: ONNX Runtime on the native kernels only) and its matrix products in
-    ``matmul_dtype`` (bfloat16, int8: the same, on a CPU with AVX512-BF16, AVX512-VNNI)."""
+    ``matmul_dtype`` (bfloat16, int8: the same, on a CPU with AVX512-BF16; with AVX2)."""
     if engine not in ENGINES:
         raise SpecInferError(f"unknown engine '{engine}' (choose from {', '.join(ENGINES)})")
     if kv_dtype != "float32" and engine != "onnxruntime":

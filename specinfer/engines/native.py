@@ -10,7 +10,8 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
   bfloat16 model's products, as on a GPU); only on a CPU that has it (:func:`products_run`).
 * ``MatMulI8`` (same file), asked for by ``matmul_dtype="int8"``: weights quantized to int8 per
   column, activations per row as the op runs, summed exactly in int32 by AVX512-VNNI, at twice the
-  bfloat16 rate and half its weight bytes; only on a CPU that has it.
+  bfloat16 rate and half its weight bytes; without VNNI (AVX2) the same sums by VPMADDWD, the same
+  outputs bit for bit.
 * ``TreeAttention`` (``kernels/tree_attention.c``) replaces the lowering's GroupQueryAttention:
   the same inputs (but the unused separate key and value) and outputs, the cache read and written
   in place, each query summed over its visible keys in slot order.
@@ -24,7 +25,7 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
   sampled logits (:func:`softmax`).
 
 The library is built for the CPU that runs it (``-march=native``): on AVX-512, or on AVX2 with FMA
-and F16C (``kernels/simd.h``: the same kernels on 8-lane halves, every op but the bfloat16 and int8
+and F16C (``kernels/simd.h``: the same kernels on 8-lane halves, every op but the bfloat16
 products, which need AVX-512's instructions). Where it cannot be built (no C compiler, a CPU without
 AVX2, FMA and F16C, not Linux x86-64) or ``SPECINFER_NATIVE=0``, the graphs keep ONNX Runtime's own
 kernels.
@@ -60,9 +61,10 @@ PRODUCT_OPS = {"float16": {OP: OP, SWIGLU_OP: SWIGLU_OP}, "bfloat16": BF16_OPS, 
 PRODUCTS_OF = {ops[OP]: products for products, ops in PRODUCT_OPS.items()}   # a product op's weights' type
 K_GROUPS = {"float16": 1, "bfloat16": 2, "int8": 4}   # k a packed weight's lane holds (pack_group_panels)
 NORMED_OPS |= {ops[op]: f"SkipRMSNorm{ops[op]}" for ops in (BF16_OPS, I8_OPS) for op in (OP, SWIGLU_OP)}
-# The CPU flag each reduced product type's instructions need: VDPBF16PS and VCVTNEPS2BF16; VPDPBUSD.
-PRODUCT_CPU_FLAGS = {"bfloat16": "avx512_bf16", "int8": "avx512_vnni"}
-PRODUCT_NAMES = {"bfloat16": "AVX512-BF16", "int8": "AVX512-VNNI"}
+# The CPU flag each reduced product type's instructions need: VDPBF16PS and VCVTNEPS2BF16 (with
+# AVX-512); int8, VPDPBUSD where the CPU has AVX512-VNNI, else AVX2's VPMADDWD, the same exact sums.
+PRODUCT_CPU_FLAGS = {"bfloat16": "avx512_bf16", "int8": "avx2"}
+PRODUCT_NAMES = {"bfloat16": "AVX512-BF16", "int8": "AVX2"}
 WEIGHT_SUFFIXES = {"float16": ".f16w", "bfloat16": ".bf16w", "int8": ".i8w"}   # a packed weight's name: the weight's + this
 SCALES = ".scales"   # an int8 weight's scales and sums: its packed name + this
 ATTENTION_OP = "TreeAttention"
@@ -138,7 +140,8 @@ def products_run(matmul_dtype: str) -> bool:
     """Whether the products in ``matmul_dtype`` (bfloat16: ``MatMulBF16`` and its siblings; int8:
     ``MatMulI8`` and its) run here; float32 always does."""
     flag = PRODUCT_CPU_FLAGS.get(matmul_dtype)
-    return flag is None or ({flag, WIDE_FLAG} <= cpu_flags() and library() is not None)
+    needs = {flag, WIDE_FLAG} if matmul_dtype == "bfloat16" else {flag}
+    return flag is None or (needs <= cpu_flags() and library() is not None)
 
 
 def require_products(matmul_dtype: str) -> None:

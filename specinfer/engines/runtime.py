@@ -90,7 +90,7 @@ def check_kv_dtype(kv_dtype: str) -> None:
 # What an LLM's matrix products compute in: float32 (the stored weights, exactly), bfloat16
 # (weights and activations rounded to bfloat16, sums in float32, as a GPU's bfloat16 products;
 # ONNX Runtime's native kernels on a CPU with AVX512-BF16 only), or int8 (weights quantized per
-# column, activations per row, sums exact in int32; native kernels on a CPU with AVX512-VNNI only).
+# column, activations per row, sums exact in int32; native kernels, by AVX512-VNNI or AVX2).
 MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 

@@ -109,8 +109,8 @@ def write_repository(llm: str | Path, ssms: list[str | Path], out: str | Path, t
     ``idle_timeout``: seconds after which the stateful models release a sequence no one steps.
     ``kv_dtype``: the LLM's KV caches, float32 or float16 (ONNX Runtime's native kernels only; the
     SSMs keep float32 caches, small ones, which their drafter node reads). ``matmul_dtype``: the
-    LLM's matrix products, float32, bfloat16 or int8 (native kernels on a CPU with AVX512-BF16 or
-    AVX512-VNNI only).
+    LLM's matrix products, float32, bfloat16 or int8 (native kernels; bfloat16 on a CPU with
+    AVX512-BF16 only).
     ``kv_budget``: bytes of KV cache the fused orchestrator's scheduler may hand out, and the ``llm``
     model's (each its own; None: half the memory available when it loads); ``batch_tree_tokens``:
     tree nodes the fused orchestrator's batch's trees share (the ensemble keeps whole trees);

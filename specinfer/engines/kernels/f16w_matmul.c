@@ -18,6 +18,7 @@
  *
  * register.c registers it (ort_api.h: the ONNX Runtime C API as used here). */
 #include <immintrin.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -108,6 +109,7 @@ typedef struct {
     size_t K4;               /* (K + 3) / 4 */
     const float *row_scale;  /* int8: each row's scale [M] */
     const float *w_scale, *w_sum;   /* int8: each packed column's scale and sum of its int8 weights */
+    int vnni;                /* int8: quads for VPDPBUSD ([M][K4], q + 128 a byte), else pairs ([M][K4][2]) */
 } Product;
 
 /* Rows [0, rows) of A (rows <= ROWS) times one panel, with the row count a constant (unrolled). */
@@ -264,16 +266,110 @@ I8 static void to_u8_quads(const float *A, size_t M, size_t K, uint32_t *out, fl
 
 #endif
 
+/* The int8 products where the CPU has no AVX512-VNNI (AVX2, and AVX-512 without VNNI): the same
+ * numbers, the same exact integer sums, so the same outputs bit for bit. VPMADDWD multiplies pairs
+ * of int16 and adds each pair exactly into an int32: a weight quad (four k of a column, the panels
+ * as VPDPBUSD reads them) is split into its even k and its odd k, sign-extended to int16, and each
+ * row's quantized quad comes as the same two pairs ((q0, q2), (q1, q3): to_s16_pairs), no offset
+ * to take off. One row takes a whole panel (8 accumulators of 8 columns), two rows half of it,
+ * three to six 8 columns at a time, over slices of KC4 quads (their weights from memory once, from
+ * L1 for the other parts), the partial sums in an int32 scratch between slices. */
+#define KC4 32
+#define AHEAD4 4   /* quads the first part asks for ahead */
+static inline __attribute__((always_inline)) void i8x_part(const uint32_t *A, size_t K4, const int8_t *P, int32_t *S,
+                                                           const int rows, const int width, size_t c0, size_t q0,
+                                                           size_t q1) {
+    __m256i acc[ROWS][8];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < width / 8; j++)
+            acc[r][j] = q0 ? _mm256_loadu_si256((const __m256i *)(S + r * PANEL + c0 + 8 * j)) : _mm256_setzero_si256();
+    for (size_t q = q0; q < q1; q++) {
+        const int8_t *p = P + q * 4 * PANEL + 4 * c0;
+        if (c0 == 0)
+            for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(P + (q + AHEAD4) * 4 * PANEL + 64 * line), _MM_HINT_T0);
+        for (int j = 0; j < width / 8; j++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+            __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), odd = _mm256_srai_epi16(w, 8);
+            for (int r = 0; r < rows; r++) {
+                __m256i a_even = _mm256_set1_epi32((int)A[(r * K4 + q) * 2]), a_odd = _mm256_set1_epi32((int)A[(r * K4 + q) * 2 + 1]);
+                acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_add_epi32(_mm256_madd_epi16(a_even, even),
+                                                                         _mm256_madd_epi16(a_odd, odd)));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < width / 8; j++) _mm256_storeu_si256((__m256i *)(S + r * PANEL + c0 + 8 * j), acc[r][j]);
+}
+
+/* Rows [0, rows) of the quantized A times one int8 panel: C = (exact sum) x (row scale x column
+ * scale), in float32 as the VNNI kernel has it. */
+static inline __attribute__((always_inline)) void i8x_panel_rows(const uint32_t *A, size_t K4, const int8_t *P,
+                                                                 const float *scale, const float *row_scale, float *C,
+                                                                 size_t N, const int rows) {
+    int32_t S[ROWS * PANEL] __attribute__((aligned(32)));
+    const int width = rows == 1 ? PANEL : rows == 2 ? PANEL / 2 : 8;
+    for (size_t q0 = 0; q0 < K4 || q0 == 0; q0 += KC4) {
+        size_t q1 = K4 - q0 < KC4 ? K4 : q0 + KC4;
+        for (int c0 = 0; c0 < PANEL; c0 += width) i8x_part(A, K4, P, S, rows, width, (size_t)c0, q0, q1);
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 rs = _mm256_set1_ps(row_scale[r]);
+        for (int j = 0; j < PANEL; j += 8)
+            _mm256_storeu_ps(C + r * N + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(S + r * PANEL + j))),
+                                                          _mm256_mul_ps(rs, _mm256_loadu_ps(scale + j))));
+    }
+}
+
+static void i8x_block_rows(const uint32_t *A, size_t K4, const int8_t *P, const float *scale, const float *row_scale,
+                           float *C, size_t N, int rows) {
+    BY_ROWS(i8x_panel_rows, rows, A, K4, P, scale, row_scale, C, N)
+}
+
+/* Rows of float32 quantized as to_u8_quads quantizes them (the same scale, the same rounding), each
+ * quad of k as two words of int16 pairs, (q0, q2) then (q1, q3); K padded with zeros. */
+static void to_s16_pairs(const float *A, size_t M, size_t K, uint32_t *out, float *row_scale) {
+    size_t K4 = (K + 3) / 4;
+    for (size_t r = 0; r < M; r++) {
+        const float *a = A + r * K;
+        vf most = vf_zero();
+        for (size_t k = 0; k < K; k += LANES) most = vf_max(most, vf_abs(vf_loadm(first_lanes(K - k), a + k)));
+        float amax = vf_reduce_max(most);
+        float inverse = amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
+        row_scale[r] = inverse > 0.0f ? amax / 127.0f : 0.0f;
+        uint32_t *o = out + r * K4 * 2;
+        for (size_t q = 0; q < K4; q++) {
+            int32_t v[4];
+            for (int i = 0; i < 4; i++) v[i] = 4 * q + i < K ? (int32_t)lrintf(a[4 * q + i] * inverse) : 0;
+            o[2 * q] = (uint16_t)v[0] | (uint32_t)(uint16_t)v[2] << 16;
+            o[2 * q + 1] = (uint16_t)v[1] | (uint32_t)(uint16_t)v[3] << 16;
+        }
+    }
+}
+
+/* Whether the int8 products may take VPDPBUSD here. */
+static int has_vnni(void) {
+#if SIMD_AVX512
+    return __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
 /* Rows [m, m + rows) of the job's A times panel ``panel``, into C (``ldc`` floats a row). */
 static void panel_block(const Product *job, size_t panel, size_t m, float *C, size_t ldc, int rows) {
+    const int8_t *P8 = (const int8_t *)job->W + panel * job->K4 * 4 * PANEL;
 #if SIMD_AVX512
-    if (job->quads)
-        i8_block_rows(job->quads + m * job->K4, job->K4, (const int8_t *)job->W + panel * job->K4 * 4 * PANEL,
-                      job->w_scale + panel * PANEL, job->w_sum + panel * PANEL, job->row_scale + m, C, ldc, rows);
+    if (job->quads && job->vnni)
+        i8_block_rows(job->quads + m * job->K4, job->K4, P8, job->w_scale + panel * PANEL, job->w_sum + panel * PANEL,
+                      job->row_scale + m, C, ldc, rows);
     else if (job->pairs)
         bf16_block_rows(job->pairs + m * job->K2, job->K2, job->W + panel * job->K2 * 2 * PANEL, C, ldc, rows);
     else
 #endif
+    if (job->quads)
+        i8x_block_rows(job->quads + m * job->K4 * 2, job->K4, P8, job->w_scale + panel * PANEL, job->row_scale + m, C,
+                       ldc, rows);
+    else
         block_rows(job->A + m * job->K, job->K, job->W + panel * job->K * PANEL, C, ldc, rows);
 }
 
@@ -341,7 +437,7 @@ static OrtStatus *product(OrtKernelContext *ctx, void (*task)(void *, size_t), s
     for (size_t i = 0; i + 1 < rank; i++) M *= (size_t)dims[i];
     size_t K = rank ? (size_t)dims[rank - 1] : 0;
     Product job = {data_of(a), data_of(w), NULL, M, K, (size_t)wdims[0] * columns, NULL, (K + 1) / 2,
-                   NULL, (K + 3) / 4, NULL, NULL, NULL};
+                   NULL, (K + 3) / 4, NULL, NULL, NULL, 0};
     size_t packed_k = weights == WEIGHTS_I8 ? job.K4 : weights == WEIGHTS_BF16 ? job.K2 : K;
     if (rank == 0 || packed_k != (size_t)wdims[1])
         return op_error(name, "the input's last axis is not the weight's K");
@@ -378,30 +474,37 @@ static OrtStatus *product(OrtKernelContext *ctx, void (*task)(void *, size_t), s
         job.A = scratch;
     }
 #if !SIMD_AVX512
-    if (weights != WEIGHTS_F16) {   /* native.py writes these ops only where the CPU has the instructions */
+    if (weights == WEIGHTS_BF16) {   /* native.py writes these ops only where the CPU has the instructions */
         free(scratch);
-        return op_error(name, "bfloat16 and int8 products need a build for AVX-512");
+        return op_error(name, "bfloat16 products need a build for AVX-512");
     }
-#else
+#endif
     if (weights != WEIGHTS_F16) {
-        /* int8: the rows' quads, then their scales */
-        size_t words = weights == WEIGHTS_I8 ? M * job.K4 + M : M * job.K2;
+        /* int8: the rows' quads (VNNI's, or its pairs: twice the words), then their scales */
+        job.vnni = weights == WEIGHTS_I8 && has_vnni();
+        size_t quad_words = job.vnni ? M * job.K4 : 2 * M * job.K4;
+        size_t words = weights == WEIGHTS_I8 ? quad_words + M : M * job.K2;
         rounded = malloc(words * sizeof(uint32_t));
         if (rounded == NULL) {
             free(scratch);
             return op_error(name, "out of memory for the rows in bfloat16 or int8");
         }
         if (weights == WEIGHTS_I8) {
-            float *row_scale = (float *)(rounded + M * job.K4);
-            to_u8_quads(job.A, M, job.K, rounded, row_scale);
+            float *row_scale = (float *)(rounded + quad_words);
+#if SIMD_AVX512
+            if (job.vnni) to_u8_quads(job.A, M, job.K, rounded, row_scale); else
+#endif
+            to_s16_pairs(job.A, M, job.K, rounded, row_scale);
             job.quads = rounded;
             job.row_scale = row_scale;
-        } else {
+        }
+#if SIMD_AVX512
+        else {
             to_bf16_pairs(job.A, M, job.K, rounded);
             job.pairs = rounded;
         }
-    }
 #endif
+    }
     dims[rank - 1] = (int64_t)job.N;
     OrtValue *c = NULL;
     CALL(KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &c);
