@@ -5,6 +5,8 @@ row's result independent of its batch, and an LLM on them decoding speculatively
 decodes incrementally, its logits within the rounding of float32 ones."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -99,9 +101,14 @@ FAR = {"bfloat16": (1e-4, 2e-2), "int8": (1e-3, 6e-2)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_product_is_its_definition_on_the_rounded_numbers_whatever_the_batch(dtype):
+@pytest.mark.parametrize("k", [73, 40, 256])
+def test_the_product_is_its_definition_on_the_rounded_numbers_whatever_the_batch(dtype, k):
+    """Where the CPU has AMX-INT8, int8 products of 6 rows or more take the tile unit and fewer
+    VPDPBUSD: both are the definition here. K: 73 not a multiple of 2 or 4 (its last pair or quad
+    padded with zero) and of 19 quads (a tile's 16 and 3 left), 40 fewer quads than a tile, 256 16
+    quads 4 times."""
     rng = np.random.default_rng(0)
-    k, n = 73, 192   # K not a multiple of 2 or 4: its last pair or quad padded with zero
+    n = 192
     w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
     session = _session(dtype, False, _weights(dtype, w), k)
     a = rng.standard_normal((1, 37, k)).astype(np.float32)
@@ -111,10 +118,24 @@ def test_the_product_is_its_definition_on_the_rounded_numbers_whatever_the_batch
     np.testing.assert_array_equal(together[0], PRODUCTS[dtype](a[0], w))
     assert not together[0, 5].any()
     near, far = FAR[dtype]
+    far *= max(1.0, np.sqrt(k / 73))   # the rounding errors of a sum grow as its root
     assert near < np.abs(together[0] - a[0].astype(np.float64) @ w).max() < far   # rounded, not more
     for m in (1, 3, 5, 7):   # any batch: each row bit for bit what it is alone
         for start in (0, 4, 30):
             np.testing.assert_array_equal(session.run(None, {"a": a[:, start:start + m]})[0], together[:, start:start + m])
+
+
+@pytest.mark.skipif("amx_int8" not in native.cpu_flags() or not native.products_run("int8")
+                    or os.environ.get("SPECINFER_AMX") == "0",
+                    reason="needs a CPU with AMX-INT8, the native library and SPECINFER_AMX not 0")
+def test_int8_products_take_the_tile_unit_where_the_cpu_has_one():
+    import subprocess
+    import sys
+
+    assert native.int8_by_tiles()
+    off = subprocess.run([sys.executable, "-c", "from specinfer.engines import native; print(native.int8_by_tiles())"],
+                         env={**os.environ, "SPECINFER_AMX": "0"}, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])

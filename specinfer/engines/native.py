@@ -10,7 +10,8 @@ on first use and loaded as one custom-op library (domain ``specinfer.native``).
   bfloat16 model's products, as on a GPU); only on a CPU that has it (:func:`products_run`).
 * ``MatMulI8`` (same file), asked for by ``matmul_dtype="int8"``: weights quantized to int8 per
   column, activations per row as the op runs, summed exactly in int32 by AVX512-VNNI, at twice the
-  bfloat16 rate and half its weight bytes; without VNNI (AVX2) the same sums by VPMADDWD, the same
+  bfloat16 rate and half its weight bytes; without VNNI (AVX2) the same sums by VPMADDWD, and with
+  AMX-INT8 the products of 6 rows or more by the tile unit (:func:`int8_by_tiles`): the same
   outputs bit for bit.
 * ``TreeAttention`` (``kernels/tree_attention.c``) replaces the lowering's GroupQueryAttention:
   the same inputs (but the unused separate key and value) and outputs, the cache read and written
@@ -142,6 +143,16 @@ def products_run(matmul_dtype: str) -> bool:
     flag = PRODUCT_CPU_FLAGS.get(matmul_dtype)
     needs = {flag, WIDE_FLAG} if matmul_dtype == "bfloat16" else {flag}
     return flag is None or (needs <= cpu_flags() and library() is not None)
+
+
+def int8_by_tiles() -> bool:
+    """Whether int8 products of several rows (a tree, a batch, a prompt) run on the CPU's tile unit
+    here (AMX-INT8, where Linux grants this process its state and ``SPECINFER_AMX`` is not 0); the
+    same outputs bit for bit as on VPDPBUSD (``kernels/f16w_matmul.c``)."""
+    import ctypes
+
+    path = library()
+    return path is not None and bool(ctypes.CDLL(str(path)).specinfer_int8_tiles())
 
 
 def require_products(matmul_dtype: str) -> None:
