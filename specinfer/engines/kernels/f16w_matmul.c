@@ -326,23 +326,21 @@ AMX static void i8_amx_panel_rows(const uint32_t *A, size_t K4, const int8_t *P,
     int32_t S[AMX_BLOCK * PANEL] __attribute__((aligned(64)));
     const size_t a_stride = 4 * K4, w_stride = 4 * PANEL, s_stride = 4 * PANEL;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    /* A's quads from q on into tile a, then each 16 columns' weights into tile w and onto their sums
+     * (tile numbers are immediates: a macro, not a function) */
+#define AMX_QUADS_TIMES_PANEL(a, w)                                          \
+    do {                                                                     \
+        const int8_t *p = P + q * 4 * PANEL;                                 \
+        _tile_loadd(a, A + q, a_stride);                                     \
+        _tile_loadd(w, p, w_stride); _tile_dpbusd(0, a, w);                  \
+        _tile_loadd(w, p + 64, w_stride); _tile_dpbusd(1, a, w);             \
+        _tile_loadd(w, p + 128, w_stride); _tile_dpbusd(2, a, w);            \
+        _tile_loadd(w, p + 192, w_stride); _tile_dpbusd(3, a, w);            \
+    } while (0)
     size_t q = 0;
-    for (; q + AMX_QUADS <= K4; q += AMX_QUADS) {
-        const int8_t *p = P + q * 4 * PANEL;
-        _tile_loadd(4, A + q, a_stride);
-        _tile_loadd(5, p, w_stride); _tile_dpbusd(0, 4, 5);
-        _tile_loadd(5, p + 64, w_stride); _tile_dpbusd(1, 4, 5);
-        _tile_loadd(5, p + 128, w_stride); _tile_dpbusd(2, 4, 5);
-        _tile_loadd(5, p + 192, w_stride); _tile_dpbusd(3, 4, 5);
-    }
-    if (q < K4) {
-        const int8_t *p = P + q * 4 * PANEL;
-        _tile_loadd(6, A + q, a_stride);
-        _tile_loadd(7, p, w_stride); _tile_dpbusd(0, 6, 7);
-        _tile_loadd(7, p + 64, w_stride); _tile_dpbusd(1, 6, 7);
-        _tile_loadd(7, p + 128, w_stride); _tile_dpbusd(2, 6, 7);
-        _tile_loadd(7, p + 192, w_stride); _tile_dpbusd(3, 6, 7);
-    }
+    for (; q + AMX_QUADS <= K4; q += AMX_QUADS) AMX_QUADS_TIMES_PANEL(4, 5);
+    if (q < K4) AMX_QUADS_TIMES_PANEL(6, 7);   /* the quads past the last 16 */
+#undef AMX_QUADS_TIMES_PANEL
     _tile_stored(0, S, s_stride); _tile_stored(1, S + 16, s_stride);
     _tile_stored(2, S + 32, s_stride); _tile_stored(3, S + 48, s_stride);
     __m512 scale_of[4];
