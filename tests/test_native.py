@@ -229,7 +229,7 @@ def _attention_session(heads: int, kv_heads: int, d: int, capacity: int, tree_in
     if tree_inputs:
         inputs += [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "t"]),
                    helper.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 1, "t", "total"])]
-    angles = np.outer(np.arange(64), 1.0 / 10000 ** (np.arange(0, d, 2) / d))
+    angles = np.outer(np.arange(max(capacity, 64)), 1.0 / 10000 ** (np.arange(0, d, 2) / d))
     tables = [helper.make_tensor(name, TensorProto.FLOAT, angles.shape, f(angles).astype(np.float32).ravel())
               for name, f in (("cos", np.cos), ("sin", np.sin))]
     node = helper.make_node("GroupQueryAttention",
@@ -252,13 +252,14 @@ def _attention_session(heads: int, kv_heads: int, d: int, capacity: int, tree_in
     return open_session(model.SerializeToString(), libraries=[native.library()] if native_op else [])
 
 
-def _attend(session, cache: np.ndarray, qkv: np.ndarray, parents: list[int] | None, past: int):
+def _attend(session, cache: np.ndarray, qkv: np.ndarray, parents: list[int] | None, past: int,
+            bias: np.ndarray | None = None):
     """Run on ``cache`` ([2, 1, Hkv, S, D], bound in place as past and present) the new tokens
     ``qkv`` after ``past`` cached ones, a tree by ``parents`` (None: the drafter's form, no
-    positions nor bias, a chain); returns the attention output."""
+    positions nor bias, a chain; ``bias``: added to the tree's); returns the attention output."""
     import onnxruntime as ort
 
-    t = qkv.shape[1]
+    t, bias_in = qkv.shape[1], bias
     io = session.io_binding()
     io.bind_output("out")   # first: outputs come back in the order bound
     values = [ort.OrtValue.ortvalue_from_numpy(cache[i]) for i in range(2)]
@@ -275,7 +276,7 @@ def _attend(session, cache: np.ndarray, qkv: np.ndarray, parents: list[int] | No
                 visible[i] |= visible[p]
         bias = np.zeros((1, 1, t, past + t), np.float32)
         bias[0, 0, :, past:][~visible] = np.finfo(np.float32).min
-        feeds.update(position_ids=(past + np.asarray(depth, np.int64))[None], bias=bias)
+        feeds.update(position_ids=(past + np.asarray(depth, np.int64))[None], bias=bias + (0 if bias_in is None else bias_in))
     for name, value in feeds.items():
         io.bind_cpu_input(name, value)
     session.run_with_iobinding(io)
@@ -299,6 +300,26 @@ def test_tree_attention_computes_what_group_query_attention_does(heads, kv_heads
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)   # the new rows, rotated keys and values
     np.testing.assert_array_equal(ours[:, :, :, past + 8:], theirs[:, :, :, past + 8:])   # nothing else written
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (8, 1, 48)])
+def test_tree_attention_skips_the_keys_a_bias_masks_and_adds_the_others_bias(heads, kv_heads, d):
+    """A bias that also masks cached keys (whole blocks of 16, parts of blocks, single keys) and
+    weighs the rest: GroupQueryAttention's output, where a masked key weighs nothing."""
+    rng = np.random.default_rng(d)
+    past, capacity = 70, 96
+    parents = [-1, 0, 0, 1, 1, 2, 5, -1]
+    qkv = rng.standard_normal((1, 8, (heads + 2 * kv_heads) * d)).astype(np.float32)
+    extra = rng.uniform(-2, 0.5, (1, 1, 8, past + 8)).astype(np.float32)
+    extra[..., 16:32] = np.finfo(np.float32).min                   # a whole block
+    extra[..., 40:45] = np.finfo(np.float32).min                   # part of one
+    extra[..., rng.choice(past, 9, replace=False)] = np.finfo(np.float32).min
+    cache = rng.standard_normal((2, 1, kv_heads, capacity, d)).astype(np.float32)
+    expected, got = (_attend(_attention_session(heads, kv_heads, d, capacity, True, native_op), cache.copy(), qkv,
+                             parents, past, extra) for native_op in (False, True))
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+    unbiased = _attend(_attention_session(heads, kv_heads, d, capacity, True, True), cache.copy(), qkv, parents, past)
+    assert np.abs(got - unbiased).max() > 1e-2   # the bias counts
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (8, 1, 48)])

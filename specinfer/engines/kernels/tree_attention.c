@@ -154,6 +154,31 @@ static void weigh_all(const void *V, int half, const uint32_t *visible, size_t n
     }
 }
 
+/* The keys a query's bias row lets through (above MASKED) into visible[], in slot order, and their
+ * biases into kept[]; their count. 16 keys at a time: a block wholly visible (a tree's past, where
+ * most keys are) costs one compare, not one branch per key. */
+static size_t visible_keys(const float *bias, size_t keys, uint32_t *visible, float *kept) {
+    size_t n = 0, j = 0;
+    vf masked = vf_set1(MASKED);
+    for (; j + 16 <= keys; j += 16) {
+        vf row = vf_load(bias + j);
+        unsigned bits = vmask_bits(vf_gt(row, masked));
+        if (bits == 0xFFFF) {
+            for (uint32_t i = 0; i < 16; i++) visible[n + i] = (uint32_t)j + i;
+            vf_store(kept + n, row);
+            n += 16;
+            continue;
+        }
+        for (; bits; bits &= bits - 1) {
+            size_t i = j + (size_t)__builtin_ctz(bits);
+            visible[n] = (uint32_t)i, kept[n++] = bias[i];
+        }
+    }
+    for (; j < keys; j++)
+        if (bias[j] > MASKED) visible[n] = (uint32_t)j, kept[n++] = bias[j];
+    return n;
+}
+
 /* One task: token t of sequence b, the query heads of KV head g. */
 void attend_task(const Job *job, size_t task) {
     size_t D = job->D, g = task % job->Hkv, t = (task / job->Hkv) % job->T, b = task / (job->Hkv * job->T);
@@ -169,21 +194,22 @@ void attend_task(const Job *job, size_t task) {
         rotate(job->qkv + (b * job->T + t) * width + (g * group + h) * D, q + h * D, job->cos + pos * D / 2,
                job->sin + pos * D / 2, D);
 
-    uint32_t *visible = malloc(keys * sizeof *visible);
-    float *s = malloc((group * keys + 16) * sizeof *s);   /* head-major: s[h * n + i], the i-th visible key */
+    /* One allocation: the visible keys' slots, their biases, and the scores s[h * n + i] (head-major,
+     * the i-th visible key). */
+    uint32_t *visible = malloc(keys * (sizeof *visible + sizeof(float)) + (group * keys + 16) * sizeof(float));
     float *out = job->out + (b * job->T + t) * job->H * D + g * group * D;
-    if (visible == NULL || s == NULL) {   /* out of memory: this task's output is NaN, not a crash */
+    if (visible == NULL) {   /* out of memory: this task's output is NaN, not a crash */
         for (size_t i = 0; i < group * D; i++) out[i] = NAN;
-        free(s);
-        free(visible);
         return;
     }
-    size_t n = 0;
-    for (size_t j = 0; j < keys; j++)
-        if (!bias || bias[j] > MASKED) visible[n++] = (uint32_t)j;
+    float *kept = (float *)(visible + keys), *s = kept + keys;
+    size_t n = bias ? visible_keys(bias, keys, visible, kept) : keys;
+    if (!bias)
+        for (size_t j = 0; j < keys; j++) visible[j] = (uint32_t)j;
     vf scale = vf_set1(job->scale);
     for (size_t i0 = 0; i0 < n; i0 += 16) {   /* 16 keys at a time; a short last block repeats its last key */
         size_t m = n - i0 < 16 ? n - i0 : 16;
+        vmask lanes = first_lanes(m);
         const float *k[16];
         if (job->half)   /* the block's keys widened once, for every head of the group */
             for (size_t j = 0; j < 16; j++) {
@@ -193,12 +219,11 @@ void attend_task(const Job *job, size_t task) {
             }
         else
             for (size_t j = 0; j < 16; j++) k[j] = (const float *)K + (size_t)visible[i0 + (j < m ? j : m - 1)] * D;
-        for (size_t h = 0; h < group; h++)
-            vf_storem(s + h * n + i0, first_lanes(m), vf_mul(scores16(q + h * D, k, D), scale));
+        for (size_t h = 0; h < group; h++) {   /* the score scaled, then its bias added (two roundings) */
+            vf score = vf_mul(scores16(q + h * D, k, D), scale);
+            vf_storem(s + h * n + i0, lanes, bias ? vf_add(score, vf_loadm(lanes, kept + i0)) : score);
+        }
     }
-    if (bias)
-        for (size_t h = 0; h < group; h++)
-            for (size_t i = 0; i < n; i++) s[h * n + i] += bias[visible[i]];
     for (size_t h = 0; h < group; h++) {   /* softmax numerators in place */
         float *row = s + h * n;
         vf top = vf_set1(-INFINITY);
@@ -211,7 +236,6 @@ void attend_task(const Job *job, size_t task) {
         if (i < n) vf_storem(row + i, tail, exp_ps(vf_sub(vf_loadm(tail, row + i), shift)));
     }
     weigh_all(V, job->half, visible, n, D, s, group, out);
-    free(s);
     free(visible);
 }
 
