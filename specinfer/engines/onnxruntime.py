@@ -321,7 +321,7 @@ class OrtRuntime(Runtime):
     def _allocate(self, capacity: int) -> np.ndarray:
         c = self.config
         head_dim = self.manifest.get("ort_head_dim", c.head_dim)   # padded to a multiple of 16
-        return aligned_zeros((c.num_layers, 2, c.num_kv_heads, capacity, head_dim), self.kv_dtype)
+        return aligned_array((c.num_layers, 2, c.num_kv_heads, capacity, head_dim), self.kv_dtype, zeroed=True)
 
     def _bind_cache(self, session, seq: SequenceState, presents: list[list[str]]) -> "_Binding":
         """A binding of ``session`` with the sequence's cache bound as its past and as every one of
@@ -659,22 +659,23 @@ def copies_weights(model) -> bool:
                and node.input[1] in constants for node in model.graph.node)
 
 
-def aligned_zeros(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
-    """Zeros on memory that starts on a cache line, as ONNX Runtime places what it allocates
-    itself. numpy's large arrays start 16 bytes past a page, so every 64-byte row of a KV cache
-    bound from one straddled two lines: the native attention read such a cache 1.3x slower (a
-    16-token tree over 256 cached tokens, 66 against 49 us a layer on 2 cores). The pages are
-    zeroed lazily, as ``np.zeros``'s: a sequence's cache costs memory only as it fills."""
+def aligned_array(shape: tuple[int, ...], dtype, zeroed: bool = False, alignment: int = 64) -> np.ndarray:
+    """An array on memory that starts on a cache line, as ONNX Runtime places what it allocates
+    itself; ``zeroed``: filled with zeros, else left as allocated (for an output a run writes whole).
+    numpy's large arrays start 16 bytes past a line, so every 64-byte row of a KV cache bound from
+    one straddled two lines: the native attention read such a cache 1.3x slower (a 16-token tree
+    over 256 cached tokens, 66 against 49 us a layer on 2 cores). Zeros come as ``np.zeros``'s do,
+    pages zeroed as first touched: a sequence's cache costs memory only as it fills."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buffer = np.zeros(nbytes + alignment, np.uint8)
+    buffer = (np.zeros if zeroed else np.empty)(nbytes + alignment, np.uint8)
     start = -buffer.ctypes.data % alignment
     return buffer[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _aligned_copy(array: np.ndarray) -> np.ndarray:
-    """``array`` copied to memory that starts on a cache line (:func:`aligned_zeros`)."""
-    out = aligned_zeros(array.shape, array.dtype)
+    """``array`` copied to memory that starts on a cache line (:func:`aligned_array`)."""
+    out = aligned_array(array.shape, array.dtype)
     out[...] = array
     return out
 
@@ -834,7 +835,7 @@ class _Binding:
         """Outputs of fixed shapes, ``(name, shape, dtype)`` each: bound once, rewritten every run."""
         if not self.outputs:
             for name, shape, dtype in specs:
-                self.outputs[name] = array = aligned_zeros(shape, dtype)
+                self.outputs[name] = array = aligned_array(shape, dtype)
                 self.io.bind_output(name, "cpu", 0, array.dtype.type, shape, array.ctypes.data)
         return [self.outputs[name] for name, _, _ in specs]
 
@@ -842,7 +843,7 @@ class _Binding:
         """Run the binding's session; returns the logits, an array of the caller's own (a
         copy of the bound one for a few rows, the bound one itself for many)."""
         if self.logits is None or self.logits.shape != logits_shape:
-            self.logits = aligned_zeros(logits_shape, np.float32)
+            self.logits = aligned_array(logits_shape, np.float32)
             self.io.bind_output("logits", "cpu", 0, np.float32, logits_shape, self.logits.ctypes.data)
         self.session.run_with_iobinding(self.io)
         if logits_shape[1] <= self.REUSED_LOGITS_ROWS:
