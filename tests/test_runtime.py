@@ -171,6 +171,23 @@ def test_onnxruntime_writes_kv_in_place(exported):
     assert np.array_equal(grown[:, :, :, :len(PROMPT) + 1], before)
 
 
+def test_a_sequence_open_across_a_trim_is_freed_not_kept_spare(exported):
+    """Its bindings hold the sessions the trim let go: kept as a spare, it would keep them alive;
+    one started after the trim is kept as before."""
+    rt = OrtRuntime(exported["llama3"])
+    across = rt.start()
+    rt.prefill(across, PROMPT)
+    rt.trim()
+    after = rt.start()
+    rt.prefill(after, PROMPT)
+    kv = rt._get(after).kv
+    rt.release(across)
+    assert rt._spare == []
+    rt.release(after)
+    assert len(rt._spare) == 1 and rt._spare[0].kv is kv
+    assert rt._get(rt.start()).kv is kv
+
+
 def test_kv_caches_and_bound_outputs_start_on_a_cache_line(exported):
     """Every sequence's cache, grown or not, and the logits a run writes start on a cache line:
     numpy's own large arrays start 16 bytes past one, and the native attention's 64-byte loads of

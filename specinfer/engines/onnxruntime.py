@@ -639,8 +639,8 @@ class OrtRuntime(Runtime):
         (:func:`session_options`) they hold ~2 MB each, where opening them again made every burst
         after an idle spell slow (16 streams of the embedded pair: 9 sessions opened in 0.61 s,
         1485-1651 tokens/s against ~4000 warm; `/tmp/s57/cold.py`). A sequence open meanwhile
-        goes on with the sessions it was bound to (its bindings hold them) until it ends. The
-        shared weights stay."""
+        goes on with the sessions it was bound to (its bindings hold them) until it ends, and is
+        then freed, not kept as a spare. The shared weights stay."""
         super().trim()
         self._scratch = None
         self._draft_scratch = None

@@ -111,6 +111,7 @@ class SequenceState:
     parents: list[int] = field(default_factory=list)   # pending nodes' parents (-1 = the prefix)
     depths: list[int] = field(default_factory=list)
     bindings: dict = field(default_factory=dict)   # an engine's per-sequence handles (ONNX Runtime: IOBindings)
+    trims: int = 0              # the runtime's trims when it started (Runtime.release)
 
     @property
     def pending(self) -> int:
@@ -151,6 +152,7 @@ class Runtime(abc.ABC):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._spare: list[SequenceState] = []
+        self._trims = 0   # trims so far: a sequence open across one is not kept (below)
 
     # --- what an implementation provides ---------------------------------------------------------
     @abc.abstractmethod
@@ -183,10 +185,11 @@ class Runtime(abc.ABC):
                 raise SpecInferError(f"sequence {seq_id!r} is already open")
             spare = next((i for i, s in enumerate(self._spare) if slots <= s.capacity <= capacity), None)
             if spare is None:
-                self._sequences[seq_id] = SequenceState(self._allocate(slots), slots, capacity)
+                seq = self._sequences[seq_id] = SequenceState(self._allocate(slots), slots, capacity)
             else:
                 seq = self._sequences[seq_id] = self._spare.pop(spare)
                 seq.limit = capacity
+            seq.trims = self._trims
         return seq_id
 
     def release(self, seq_id: Hashable) -> None:
@@ -194,7 +197,9 @@ class Runtime(abc.ABC):
         :attr:`spare_sequences` allows). Releasing an unknown id does nothing (idempotent)."""
         with self._lock:
             seq = self._sequences.pop(seq_id, None)
-            if seq is None or not self.spare_sequences:
+            # A sequence open across a trim is not kept: its handles hold what the trim dropped
+            # (ONNX Runtime: sessions of their own weights, ~50 MB each).
+            if seq is None or not self.spare_sequences or seq.trims != self._trims:
                 return
             # All of it: dropped drafts wrote past the committed and pending slots (~0.1 ms for
             # the embedded LLM's buffer of 256 slots; allocating one zeroed costs about as much).
@@ -211,6 +216,7 @@ class Runtime(abc.ABC):
         that its memory goes back to what it was at load. By default the spare sequences."""
         with self._lock:
             self._spare = []
+            self._trims += 1
 
     def length(self, seq_id: Hashable) -> int:
         """Committed tokens of a sequence."""
