@@ -190,8 +190,8 @@ def test_a_sequence_open_across_a_trim_is_freed_not_kept_spare(exported):
 
 def test_kv_caches_and_bound_outputs_start_on_a_cache_line(exported):
     """Every sequence's cache, grown or not, and the logits a run writes start on a cache line:
-    numpy's own large arrays start 16 bytes past one, and the native attention's 64-byte loads of
-    each cached row then straddled two lines (a step's attention 1.3x slower)."""
+    numpy aligns its arrays to 16 bytes only, and the native attention's 64-byte loads of each
+    cached row then straddled two lines (a step's attention 1.3x slower)."""
     rt = OrtRuntime(exported["llama3"])
     seqs = [rt.start(capacity=c) for c in (40, 64, 100, 129, None)]
     for seq in seqs:

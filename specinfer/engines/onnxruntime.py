@@ -662,10 +662,11 @@ def copies_weights(model) -> bool:
 def aligned_array(shape: tuple[int, ...], dtype, zeroed: bool = False, alignment: int = 64) -> np.ndarray:
     """An array on memory that starts on a cache line, as ONNX Runtime places what it allocates
     itself; ``zeroed``: filled with zeros, else left as allocated (for an output a run writes whole).
-    numpy's large arrays start 16 bytes past a line, so every 64-byte row of a KV cache bound from
-    one straddled two lines: the native attention read such a cache 1.3x slower (a 16-token tree
-    over 256 cached tokens, 66 against 49 us a layer on 2 cores). Zeros come as ``np.zeros``'s do,
-    pages zeroed as first touched: a sequence's cache costs memory only as it fills."""
+    numpy aligns its arrays to 16 bytes only: a KV cache bound from one could start 16, 32 or 48
+    bytes past a line, as the heap placed it, and every 64-byte load of the native attention then
+    straddled two lines (a 16-token tree over 256 cached tokens, 66 against 49 us a layer on 2
+    cores). Zeros come as ``np.zeros``'s do, pages zeroed as first touched: a sequence's cache
+    costs memory only as it fills."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     buffer = (np.zeros if zeroed else np.empty)(nbytes + alignment, np.uint8)
