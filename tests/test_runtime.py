@@ -188,6 +188,38 @@ def test_a_sequence_open_across_a_trim_is_freed_not_kept_spare(exported):
     assert rt._get(rt.start()).kv is kv
 
 
+def test_a_run_reuses_the_last_runs_logits_only_once_their_caller_let_go(exported, monkeypatch):
+    """A run writes its logits into the buffer the last run returned when nothing refers to that
+    one any more (no fresh 0.5 MB every tree step); while the caller holds it, or a row of it, it
+    stays the caller's."""
+    import specinfer.engines.onnxruntime as ort_runtime
+
+    rt = OrtRuntime(exported["llama3"])
+    seq = rt.start()
+    rt.prefill(seq, PROMPT)
+    parents = [-1] + list(range(11))   # 12 tokens: more than a step of a few
+    fresh = []
+    allocate = ort_runtime.aligned_array
+    monkeypatch.setattr(ort_runtime, "aligned_array", lambda *a, **k: fresh.append(a[0]) or allocate(*a, **k))
+
+    def step(first_token: int) -> np.ndarray:
+        out = rt.score(seq, list(range(first_token, first_token + 12)), parents)
+        rt.commit(seq, [])
+        return out
+
+    a = step(1)
+    values, row = a.copy(), a[3]
+    del a
+    b = step(20)                                  # a row of the last logits is held: a fresh buffer
+    assert len(fresh) == 2 and np.array_equal(row, values[3]) and not np.array_equal(b[3], row)
+    del row, b
+    c = step(40)                                  # nothing refers to b any more: written into it
+    assert len(fresh) == 2
+    d = step(60)                                  # c is held
+    assert len(fresh) == 3 and not np.array_equal(c, d)
+    np.testing.assert_array_equal(c, step(40))    # what c holds is still its step's
+
+
 def test_kv_caches_and_bound_outputs_start_on_a_cache_line(exported):
     """Every sequence's cache, grown or not, and the logits a run writes start on a cache line:
     numpy aligns its arrays to 16 bytes only, and the native attention's 64-byte loads of each

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import weakref
 from pathlib import Path
 from typing import Sequence
@@ -801,9 +802,9 @@ class _Binding:
 
     Binding costs 3-20 us a tensor, and a one-token step spent ~280 us outside ONNX Runtime, most
     of it binding and allocating: so an input whose shape is bound already gets its new values
-    written into the bound array, and the logits of a few tokens go to the buffer bound last time."""
-
-    REUSED_LOGITS_ROWS = 8   # a run of this many tokens or fewer writes into the logits bound last time
+    written into the bound array, and a run's logits go to the buffer the last run wrote once its
+    caller has let go of that one (a fresh buffer cost a 16-token tree ~60-80 us: its allocation,
+    and ONNX Runtime faulting in its 0.5 MB of new pages)."""
 
     def __init__(self, session):
         # Runs on the session it was made with: a sequence bound before a trim reopened the
@@ -841,16 +842,19 @@ class _Binding:
         return [self.outputs[name] for name, _, _ in specs]
 
     def run(self, logits_shape: tuple[int, ...]) -> np.ndarray:
-        """Run the binding's session; returns the logits, an array of the caller's own (a
-        copy of the bound one for a few rows, the bound one itself for many)."""
-        if self.logits is None or self.logits.shape != logits_shape:
+        """Run the binding's session; returns the logits: the bound array itself, which stays the
+        caller's as long as it holds it or any view of it (the next run then binds a fresh one)."""
+        if self.logits is None or self.logits.shape != logits_shape or self._logits_held():
             self.logits = aligned_array(logits_shape, np.float32)
             self.io.bind_output("logits", "cpu", 0, np.float32, logits_shape, self.logits.ctypes.data)
         self.session.run_with_iobinding(self.io)
-        if logits_shape[1] <= self.REUSED_LOGITS_ROWS:
-            return self.logits.copy()
-        logits, self.logits = self.logits, None   # the next run binds another
-        return logits
+        return self.logits
+
+    def _logits_held(self) -> bool:
+        """Whether anything but this binding refers to the logits it returned, or to their memory
+        (every view of them refers to the buffer that owns it: ``base``). Unheld, each is referred
+        to once, plus getrefcount's own argument."""
+        return sys.getrefcount(self.logits) > 2 or sys.getrefcount(self.logits.base) > 2
 
 
 def _feed_attention(binding: _Binding, start: int, tokens: np.ndarray, positions: np.ndarray, visible: np.ndarray,
