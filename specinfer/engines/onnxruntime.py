@@ -865,8 +865,20 @@ class _Binding:
     def _logits_held(self) -> bool:
         """Whether anything but this binding refers to the logits it returned, or to their memory
         (every view of them refers to the buffer that owns it: ``base``). Unheld, each is referred
-        to once, plus getrefcount's own argument."""
-        return sys.getrefcount(self.logits) > 2 or sys.getrefcount(self.logits.base) > 2
+        to once: compared with what ``sys.getrefcount`` says of such an array (:data:`_ONE_REF`),
+        not with a constant, as what it counts besides varies by Python version."""
+        return sys.getrefcount(self.logits) > _ONE_REF[0] or sys.getrefcount(self.logits.base) > _ONE_REF[1]
+
+
+def _one_ref() -> tuple[int, int]:
+    """What ``sys.getrefcount`` says of an array one attribute holds, and of the buffer one view
+    holds (read as :meth:`_Binding._logits_held` reads them)."""
+    holder = _Binding.__new__(_Binding)
+    holder.logits = aligned_array((1,), np.float32)
+    return sys.getrefcount(holder.logits), sys.getrefcount(holder.logits.base)
+
+
+_ONE_REF = _one_ref()
 
 
 def _feed_attention(binding: _Binding, start: int, tokens: np.ndarray, positions: np.ndarray, visible: np.ndarray,
