@@ -211,14 +211,28 @@ BF16 static void to_bf16_pairs(const float *A, size_t M, size_t K, uint32_t *out
         DPBUSD(c##r##2, a, b2);                                                       \
         DPBUSD(c##r##3, a, b3);                                                       \
     }
-/* Row r's 64 outputs: (acc - 128 sum) as float, times the row's scale times the column's. */
+/* The float epilogue of an int8 panel, one for every kernel that sums its quads (VPDPBUSD's, the
+ * tile unit's), so that their outputs are the same operations on the same sums: the 64 columns'
+ * scales and 128 times their sums, then a row's 64 outputs from its int32 sums, (acc - 128 sum) as
+ * float, times the row's scale times the column's. (AVX-512F only: inlined into either kernel.) */
+#define I8_EPILOGUE static inline __attribute__((target("avx512f"), always_inline))
+I8_EPILOGUE void i8_columns(const float *scale, const float *sum, __m512 scale_of[4], __m512i offset[4]) {
+    for (int j = 0; j < 4; j++) {
+        scale_of[j] = _mm512_loadu_ps(scale + 16 * j);
+        offset[j] = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(sum + 16 * j)), 7);
+    }
+}
+I8_EPILOGUE void i8_store_row(float *C, const __m512i acc[4], float row_scale, const __m512 scale_of[4],
+                              const __m512i offset[4]) {
+    __m512 rs = _mm512_set1_ps(row_scale);
+    for (int j = 0; j < 4; j++)
+        _mm512_storeu_ps(C + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[j], offset[j])),
+                                                   _mm512_mul_ps(rs, scale_of[j])));
+}
 #define I8_STORE(r)                                                                                \
     if (r < rows) {                                                                                \
-        __m512 rs = _mm512_set1_ps(row_scale[r]);                                                  \
         __m512i acc[4] = {c##r##0, c##r##1, c##r##2, c##r##3};                                     \
-        for (int j = 0; j < 4; j++)                                                                \
-            _mm512_storeu_ps(C + r * N + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[j], offset[j])), \
-                                                               _mm512_mul_ps(rs, scale_of[j])));   \
+        i8_store_row(C + r * N, acc, row_scale[r], scale_of, offset);                              \
     }
 
 I8 static inline __attribute__((always_inline)) void i8_panel_rows(const uint32_t *A, size_t K4, const int8_t *P, const float *scale,
@@ -231,11 +245,8 @@ I8 static inline __attribute__((always_inline)) void i8_panel_rows(const uint32_
         I8_ROW(0) I8_ROW(1) I8_ROW(2) I8_ROW(3) I8_ROW(4) I8_ROW(5)
     }
     __m512 scale_of[4];
-    __m512i offset[4];   /* 128 times each column's sum */
-    for (int j = 0; j < 4; j++) {
-        scale_of[j] = _mm512_loadu_ps(scale + 16 * j);
-        offset[j] = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(sum + 16 * j)), 7);
-    }
+    __m512i offset[4];
+    i8_columns(scale, sum, scale_of, offset);
     I8_STORE(0) I8_STORE(1) I8_STORE(2) I8_STORE(3) I8_STORE(4) I8_STORE(5)
 }
 
@@ -344,17 +355,12 @@ AMX static void i8_amx_panel_rows(const uint32_t *A, size_t K4, const int8_t *P,
     _tile_stored(0, S, s_stride); _tile_stored(1, S + 16, s_stride);
     _tile_stored(2, S + 32, s_stride); _tile_stored(3, S + 48, s_stride);
     __m512 scale_of[4];
-    __m512i offset[4];   /* as i8_panel_rows: the same operations on the same sums */
-    for (int j = 0; j < 4; j++) {
-        scale_of[j] = _mm512_loadu_ps(scale + 16 * j);
-        offset[j] = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(sum + 16 * j)), 7);
-    }
+    __m512i offset[4];   /* as i8_panel_rows: the same epilogue on the same sums */
+    i8_columns(scale, sum, scale_of, offset);
     for (int r = 0; r < rows; r++) {
-        __m512 rs = _mm512_set1_ps(row_scale[r]);
-        for (int j = 0; j < 4; j++)
-            _mm512_storeu_ps(C + r * N + 16 * j,
-                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(S + r * PANEL + 16 * j), offset[j])),
-                                           _mm512_mul_ps(rs, scale_of[j])));
+        __m512i acc[4];
+        for (int j = 0; j < 4; j++) acc[j] = _mm512_load_si512(S + r * PANEL + 16 * j);
+        i8_store_row(C + r * N, acc, row_scale[r], scale_of, offset);
     }
 }
 
@@ -440,7 +446,7 @@ static void to_s16_pairs(const float *A, size_t M, size_t K, uint32_t *out, floa
     }
 }
 
-/* Whether the int8 products of two rows or more may take the tile unit here. */
+/* Whether the int8 products of AMX_MIN_ROWS rows or more may take the tile unit here. */
 static int has_amx(void) {
 #if SIMD_AVX512
     return amx_ready();
