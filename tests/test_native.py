@@ -26,6 +26,22 @@ def _session(weights: np.ndarray, k: int):
     return open_session(model.SerializeToString(), libraries=[native.library()])
 
 
+def test_the_kernels_build_for_a_cpu_without_avx512_too(tmp_path):
+    """The AVX2 + FMA + F16C build (kernels/simd.h) compiles whatever this CPU has, and there the
+    int8 products never take the tile unit (an AMX constant read outside the AVX-512 part once
+    broke that build, which falls back to ONNX Runtime's own kernels without a word in the tests
+    of an AVX-512 machine)."""
+    import ctypes
+    import shutil
+
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / "avx2.so"
+    native.compile_kernels(out, compiler, ("-mavx2", "-mfma", "-mf16c"))
+    assert "avx2" not in native.cpu_flags() or ctypes.CDLL(str(out)).specinfer_int8_tiles() == 0
+
+
 def test_the_kernel_is_the_float32_matmul_of_the_same_numbers_whatever_the_batch():
     rng = np.random.default_rng(0)
     k, n = 96, 192

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -110,7 +111,6 @@ def library() -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    sources = sorted(KERNELS.glob("*.c"))
     code = b"".join(path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]")))
     # -march=native ties the build to this CPU: the key names the CPU's flags too.
     key = hashlib.sha256(code + " ".join(sorted(flags)).encode()).hexdigest()[:16]
@@ -123,8 +123,7 @@ def library() -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, *map(str, sources)],
-                       check=True, capture_output=True, text=True, timeout=120)
+        compile_kernels(Path(tmp), compiler)
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
@@ -143,6 +142,14 @@ def products_run(matmul_dtype: str) -> bool:
     flag = PRODUCT_CPU_FLAGS.get(matmul_dtype)
     needs = {flag, WIDE_FLAG} if matmul_dtype == "bfloat16" else {flag}
     return flag is None or (needs <= cpu_flags() and library() is not None)
+
+
+def compile_kernels(out: Path, compiler: str, target: Sequence[str] = ("-march=native",)) -> None:
+    """Build every ``kernels/*.c`` into the shared library ``out`` for ``target`` (compiler flags:
+    this CPU by default; ``-mavx2 -mfma -mf16c`` for one without AVX-512); raises
+    ``subprocess.CalledProcessError`` with the compiler's message."""
+    subprocess.run([compiler, "-O3", *target, "-shared", "-fPIC", "-o", str(out), *map(str, sorted(KERNELS.glob("*.c")))],
+                   check=True, capture_output=True, text=True, timeout=120)
 
 
 def int8_by_tiles() -> bool:

@@ -32,6 +32,10 @@
 
 #define ROWS 6
 #define AMX_BLOCK 16   /* rows of A a tile of the int8 products by AMX holds */
+/* Fewer rows stay on VPDPBUSD. Measured through ONNX Runtime on 2 cores (384 x 2048 from the L2
+ * cache; 384 x 32768 from memory): the tile unit 1.3x VNNI's time at 2 rows, even at 5-6, 1.3-1.6x
+ * faster at 12-16. (Outside the AVX-512 part: product() reads it on every build.) */
+#define AMX_MIN_ROWS 6
 #if SIMD_AVX512
 /* Rows [0, rows) of A (rows <= ROWS) times one panel: 4 x 16 floats of accumulators per row, so
  * 6 rows hold 24 of the 32 vector registers and each widened weight serves 6 FMAs. */
@@ -294,10 +298,6 @@ I8 static void to_u8_quads(const float *A, size_t M, size_t K, uint32_t *out, fl
  * quads left past the last 16 (K4 % 16). */
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
 #define AMX_QUADS 16
-/* Fewer rows stay on VPDPBUSD. Measured through ONNX Runtime on 2 cores (384 x 2048 from the L2
- * cache; 384 x 32768 from memory): the tile unit 1.3x VNNI's time at 2 rows, even at 5-6, 1.3-1.6x
- * faster at 12-16. */
-#define AMX_MIN_ROWS 6
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
