@@ -730,6 +730,17 @@ def _bind_kv(io, seq: SequenceState, pasts: list[tuple[str, str]], presents: lis
 
 
 KV_VALUES = "kv values"   # seq.bindings' entry: (the cache, the OrtValues over it) (_bind_kv)
+KV_KEY = "kv key"         # seq.bindings' entry: the cache's address and shape (_buffer_key)
+
+
+def _buffer_key(seq: SequenceState) -> tuple:
+    """The address and shape of the sequence's cache, which :func:`_bind_slots` knows a slot's
+    binding by; worked out once a buffer (``seq.bindings`` is cleared when the cache moves), as
+    ``ndarray.ctypes.data`` costs ~0.9 us and a batch of 16 asked it ~40 times."""
+    key = seq.bindings.get(KV_KEY)
+    if key is None:
+        key = seq.bindings[KV_KEY] = (seq.kv.ctypes.data, seq.kv.shape)
+    return key
 
 
 def _bind_slots(io, bound: dict, seqs: list[SequenceState], spare: SequenceState, size: int, names) -> list[int]:
@@ -742,7 +753,7 @@ def _bind_slots(io, bound: dict, seqs: list[SequenceState], spare: SequenceState
     the caches new to the session: binding a slot's 2 x layers buffers costs ~0.15 ms, and
     holds the GIL (16 streams behind Triton, with slots given in arrival order, binding was ~18%
     of the time the fused model's process held the GIL)."""
-    key = lambda seq: (seq.kv.ctypes.data, seq.kv.shape)
+    key = _buffer_key
     where = {k: slot for slot, k in bound.items()}
     slots: list = [None] * len(seqs)
     free = set(range(size))
