@@ -388,6 +388,18 @@ def test_a_sequence_keeps_its_slot_in_a_batched_session(exported, monkeypatch):
             assert np.array_equal(logits, single.score(seqs[name][1], tokens[name], [-1, 0]))
             for rt, seq in zip((batched, single), seqs[name]):
                 rt.commit(seq, [0])
+    # A sequence whose cache moved (it outgrew its buffer) is bound again, in the slot it had.
+    grown = seqs["c"][0]
+    old = batched._get(grown).kv
+    for rt, seq in zip((batched, single), seqs["c"]):
+        rt.score(seq, list(range(1, old.shape[batched.slot_axis])))
+        rt.commit(seq, [])
+    assert batched._get(grown).kv is not old
+    bound.clear()
+    got = batched.score_batch([(seqs[name][0], [5, 6], [-1, 0]) for name in "cfbed"])
+    assert bound == [batched._get(grown)]
+    for name, logits in zip("cfbed", got):
+        assert np.array_equal(logits, single.score(seqs[name][1], [5, 6], [-1, 0]))
 
 
 def test_one_call_sampled_draft_is_the_token_by_token_draft(exported):
