@@ -17,8 +17,9 @@ the step algorithm is the one of :class:`~specinfer.generate.LocalSpeculator`, a
 and leave between batches. A settled step's successor (from its bonus token) is queued at once,
 before the request's thread asks for it (:meth:`BatchedSpeculator.settled`): the next batch need
 not wait for the requests' threads to handle their tokens, and a request that then stops wastes
-that one step. Before it waits, the thread gives running sequences that have no step queued a
-moment (``gather_seconds``) to ask.
+that one step. Before it runs a batch, the thread gives running sequences that have no step
+queued (and will have one: not those whose tokens are all made) a moment (``gather_seconds``) to
+ask, and lets in first the requests waiting to start or end between batches.
 
 The tree a request verifies gets smaller as more requests run: their trees share
 ``batch_tree_tokens`` nodes (SpecInfer finds small trees best from a batch of 4 up; here, on 2
@@ -42,6 +43,7 @@ an idle spell). A server warms the batch sizes' sessions before its first reques
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -230,6 +232,7 @@ class Scheduler:
         self._jobs: list[_Job] = []
         self._lock = threading.Condition()       # jobs, running, memory
         self._run_lock = threading.Lock()        # held while a batch runs: no buffer is freed under it
+        self._entering = 0   # request threads waiting to run between batches (_between_batches)
         self._closed = False
         if warm > 1:
             warm_batches(llm, min(warm, max_batch))
@@ -334,9 +337,15 @@ class Scheduler:
                     return
                 if self._jobs:
                     # Running sequences still busy with their last step's tokens get a moment to ask
-                    # for their next step, so that it joins this batch.
+                    # for their next step, so that it joins this batch; not those whose last step
+                    # made their last tokens (they only release: waiting for them held every batch
+                    # that a request's end fell in by gather_seconds).
+                    # So do requests waiting to start or end between batches (their turn would
+                    # otherwise come only when this thread waits: a burst of 16 requests went in
+                    # over four batches, the first of two prompts).
                     deadline = time.monotonic() + self.gather_seconds
-                    while len(self._jobs) < min(len(self.running), self.max_batch) and time.monotonic() < deadline:
+                    while (self._entering or len(self._jobs) < min(self._asking(), self.max_batch)) \
+                            and time.monotonic() < deadline:
                         self._lock.wait(max(0.0, deadline - time.monotonic()))
                 jobs, self._jobs = self._jobs[:self.max_batch], self._jobs[self.max_batch:]
             if not jobs:   # idle for idle_seconds
@@ -347,6 +356,24 @@ class Scheduler:
             if unfinished:   # prompts not all in: first in the next batch
                 with self._lock:
                     self._jobs[:0] = unfinished
+
+    @contextlib.contextmanager
+    def _between_batches(self):
+        """Hold the run lock between two batches, for a request thread that changes the models'
+        state (starts or frees a sequence); the scheduler's thread lets it in before the next batch."""
+        with self._lock:
+            self._entering += 1
+        try:
+            with self._run_lock:
+                yield
+        finally:
+            with self._lock:
+                self._entering -= 1
+                self._lock.notify_all()
+
+    def _asking(self) -> int:
+        """Running sequences that will ask for another step. Called under ``_lock``."""
+        return sum(not spec.finished for spec in self.running)
 
     def _active(self) -> None:
         """Note activity now (a batch ran, a request left); with no request running, the idle
@@ -578,6 +605,7 @@ class BatchedSpeculator:
         self.reserved = 0
         self.produced = 0          # tokens the settled steps emitted (paths' tokens and bonus)
         self.ahead: _Job | None = None   # the next step, queued before the request asked for it
+        self.finished = False      # no step follows the last one settled (its tokens are all made)
 
     def start(self, prefix: list[int]) -> None:
         job = self.open(prefix)
@@ -600,7 +628,7 @@ class BatchedSpeculator:
             # Between batches: making the sequences' state runs the models (and, at the LLM's first
             # drafting request, times its steps and chain runs: tree_sizing.step_cost), which must
             # not run beside a batch on another thread (seen: garbled tokens in later batches).
-            with s._run_lock:
+            with s._between_batches():
                 self.local = LocalSpeculator(s.llm, s.drafters(self.options["params"]), stats=self.stats,
                                              seq_id=self.seq_id, capacity=tokens,
                                              max_new_tokens=self.max_new_tokens, **self.options)
@@ -651,9 +679,11 @@ class BatchedSpeculator:
         last one's tokens. Called under the scheduler's lock."""
         if last.error is not None or self.local is None or self.scheduler._closed \
                 or self.produced >= self.max_new_tokens:
+            self.finished = True
             return
         room = self.max_context - self.scheduler.llm.length(self.local.seq)   # as decode counts it
         if room < 1:
+            self.finished = True
             return
         self.ahead = _Job(self, root=last.result[1], budget=min(last.budget, room), stats=Stats())
         self.scheduler._queue(self.ahead)
@@ -671,7 +701,7 @@ class BatchedSpeculator:
             self.ahead = None   # if queued, the batch that takes it finds the sequence released
             s._active()
         if self.local is not None:
-            with s._run_lock:   # never free a buffer that a running batch writes
+            with s._between_batches():   # never free a buffer that a running batch writes
                 self.local.release()
             self.local = None
         if self.reserved:

@@ -616,3 +616,54 @@ def test_the_next_step_runs_before_it_is_asked_for_and_a_stop_wastes_only_that_s
     assert scheduler.reserved == 0 and scheduler.sequences == []
     assert all(rt.sequences() == [] for rt in [llm] + ssms)
     assert run_together(scheduler, PROMPTS[:2], 20) == [alone(llm, p, 20) for p in PROMPTS[:2]]
+
+
+def test_no_batch_waits_for_a_sequence_whose_tokens_are_all_made(models):
+    """A batch gives running sequences ``gather_seconds`` to ask for their next step, but not one
+    whose last step made its last tokens (its request only has to end): before, every batch while
+    such a request had not yet ended waited the whole gather time for it."""
+    llm, _ = models
+    scheduler = Scheduler(llm, [], gather_seconds=5.0)
+    done = scheduler.speculator(3, tree=[])
+    steps = decode(done, PROMPTS[0], 3, [EOS])
+    made = []
+    while len(made) < 3:
+        made += next(steps)   # all its tokens, its loop not yet back to end it
+    assert done.finished and scheduler.sequences == [done]
+    started = time.monotonic()
+    assert run_together(scheduler, PROMPTS[1:2], 20, tree=[]) == [alone(llm, PROMPTS[1], 20)]
+    assert time.monotonic() - started < 4.0   # three batches at least: 15 s if each waited
+    steps.close()
+    assert scheduler.sequences == [] and llm.sequences() == []
+
+
+def test_requests_that_start_while_a_batch_runs_go_in_at_the_next_batch(models, monkeypatch):
+    """Requests whose start waits for the running batch (their sequences' state is made between
+    batches) go in together at the next one: before, the scheduler's thread took the run lock
+    again at once, and their prompts went in only when it had nothing to run."""
+    llm, _ = models
+    scheduler = Scheduler(llm, [], gather_seconds=2.0)
+    batches, slow = [], threading.Event()
+    run, chains = Scheduler._run, llm.decode_chains
+
+    def recording(self, jobs):
+        batches.append(sum(job.prefix is not None for job in jobs))
+        return run(self, jobs)
+
+    def slow_once(calls):
+        if not slow.is_set():
+            slow.set()
+            time.sleep(1.0)   # the others start meanwhile, and wait for this batch
+        return chains(calls)
+    monkeypatch.setattr(Scheduler, "_run", recording)
+    monkeypatch.setattr(llm, "decode_chains", slow_once)
+    out = {}
+    first = threading.Thread(target=lambda: out.update(first=run_together(scheduler, PROMPTS[:1], 40, tree=[])))
+    first.start()
+    assert slow.wait(60)
+    time.sleep(0.2)
+    started = len(batches)
+    rest = run_together(scheduler, PROMPTS[1:4], 12, tree=[])
+    first.join(60)
+    assert rest == [alone(llm, p, 12) for p in PROMPTS[1:4]] and out["first"] == [alone(llm, PROMPTS[0], 40)]
+    assert batches[started] == 3, batches   # the batch after the slow one took all three prompts
