@@ -16,6 +16,7 @@ from .scheduler import BATCH_TREE_TOKENS, IDLE_SECONDS, PREFILL_CHUNK_TOKENS, Sc
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, parse_tree
 from .text import TextStream, load_tokenizer
+from .tree_sizing import warm_for_requests
 
 
 class Pipeline:
@@ -46,7 +47,8 @@ class Pipeline:
         kernels only). The SSMs keep
         float32 caches: theirs are small, and their drafter node reads float32 only. ``matmul_dtype``:
         the LLM's matrix products, float32, bfloat16 or int8 (see :func:`~specinfer.engines.loader.load_runtime`);
-        the SSMs' stay float32."""
+        the SSMs' stay float32. What a first request would wait for is done here, at load: the
+        dynamic tree's cost table timed and its drafters opened, or incremental decoding's chain run."""
         self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype, matmul_dtype)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]
@@ -58,6 +60,8 @@ class Pipeline:
         self.scheduler = Scheduler(self.llm, self.ssms, sampling_ssms=self.sampling_ssms, kv_budget=kv_budget,
                                    batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
                                    idle_seconds=idle_seconds, warm=warm)
+        warm_for_requests(self.llm, self.ssms, self.sampling_ssms,
+                          dynamic=self.tree is None and bool(self.ssms or self.sampling_ssms or lookup))
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

@@ -136,6 +136,25 @@ def warm_drafter(runtime: Runtime, sampled: bool = False) -> None:
         warm_shapes(runtime, chain_depths=range(1, runtime.draft_depth + 1), sampled=sampled)
 
 
+def warm_for_requests(llm: Runtime, ssms: Sequence[Runtime] = (), sampling_ssms: Sequence[Runtime] = (),
+                      dynamic: bool = True) -> None:
+    """What a first request would otherwise wait for, done now (a pipeline's or a server's load).
+    For requests on the dynamic tree (``dynamic``): the LLM's cost table timed (:func:`step_cost`,
+    ~0.5 s for the embedded LLM; the demo's first speculative request spent 0.63 of its 0.74 s on
+    it and the drafters' first runs) and every drafter depth of the SSMs run once
+    (:func:`warm_drafter`): greedy for ``ssms``, sampled for the SSMs that draft for sampled
+    requests (``sampling_ssms``, or ``ssms`` where there are none). Otherwise one run of the
+    LLM's incremental chain, whose first run costs more than the later ones."""
+    if dynamic:
+        step_cost(llm)   # which runs the LLM's chain too
+        for ssm in ssms:
+            warm_drafter(ssm)
+        for ssm in sampling_ssms or ssms:
+            warm_drafter(ssm, sampled=True)
+    elif chains(llm):
+        warm_shapes(llm, chain_depths=[llm.draft_depth], decoding=True)
+
+
 def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int = 2, seed: int = 0) -> float:
     """Median wall time of one run of the runtime's drafter graph on itself: greedy incremental
     decoding of :attr:`~Runtime.draft_depth` tokens in one call (:meth:`Runtime.decode_chain`), over

@@ -151,6 +151,29 @@ def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(
         verify.scheduler.close()
 
 
+def test_a_pipeline_readies_its_dynamic_tree_at_load_not_in_its_first_request(served_pair, monkeypatch):
+    """The dynamic tree's one-offs (the LLM's verification costs timed, the SSM's drafter depths
+    opened, greedy and sampled) run when the pipeline is made: its first request waited for them
+    (~0.5 s with the embedded LLM, the demo's first speculative request 0.3x incremental decoding).
+    The fused server's orchestrator calls the same warm_for_requests at load."""
+    from specinfer import tree_sizing
+
+    pipe = Pipeline(served_pair["llm"], ssms=[served_pair["ssms"][0]])
+    try:
+        assert pipe.llm in tree_sizing._measured
+        warmed = []
+        monkeypatch.setattr(tree_sizing.StepCost, "measure", lambda *a, **k: pytest.fail("timed in a request"))
+        monkeypatch.setattr(tree_sizing, "warm_shapes", lambda *a, **k: warmed.append(a))
+        out = [t for step in pipe.stream_ids(PROMPTS[0], 16) for t in step]
+        assert warmed == []
+        assert out == alone(pipe.llm, PROMPTS[0], 16)   # greedy: the LLM's own decoding
+        sampled = [t for step in pipe.stream_ids(PROMPTS[1], 12, SamplingParams(temperature=0.8, seed=3))
+                   for t in step]                        # its SSM draws for it: opened sampled at load too
+        assert warmed == [] and sampled
+    finally:
+        pipe.scheduler.close()
+
+
 def test_a_closed_scheduler_refuses_requests_and_no_longer_touches_the_models(models):
     llm, ssms = models
     scheduler = Scheduler(llm, ssms[:1], idle_seconds=0.05)
