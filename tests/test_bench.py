@@ -119,6 +119,30 @@ def test_bench_contenders_take_turns_prompt_by_prompt_and_report_the_median_roun
         benchmark.run_bench(replace(cfg, prompts=[[5, 6, 7]], rounds=3, trees={"1,1": [1, 1]}))
 
 
+def test_jobs_that_serve_every_prompt_at_once_take_turns_in_an_order_reversed_each_round():
+    """The scheduler's rows (``whole`` jobs) run after the prompt-by-prompt turns, each on every
+    prompt; their order flips each round, so that a slower spell does not always fall on the same
+    row (each row's round-by-round figures stay its own)."""
+    from specinfer import benchmark
+    from specinfer.generate import Stats
+
+    calls = []
+
+    def job(name: str, whole: bool):
+        def run(indices, stats):
+            calls.append((name, tuple(indices)))
+            stats.add(Stats(new_tokens=len(indices), total_seconds=1.0))
+            return [[i] for i in indices]
+        return benchmark._Job({"contender": name}, run, whole=whole)
+
+    jobs = [job("alone", False), job("1 stream", True), job("16 streams", True)]
+    results = benchmark._interleaved(jobs, prompts=2, rounds=3, progress=False)
+    one_round = lambda served: [("alone", (0,)), ("alone", (1,))] + [(name, (0, 1)) for name in served]
+    assert calls == (one_round(["1 stream", "16 streams"]) + one_round(["16 streams", "1 stream"])
+                     + one_round(["1 stream", "16 streams"]))
+    assert [len(r) for r in results] == [3, 3, 3] and results[2][1][1] == [[0], [1]]
+
+
 def test_a_peer_that_cannot_run_is_reported_not_raised(monkeypatch, pair):
     """A peer that turns out unavailable keeps its row with the reason and is not run again."""
     from specinfer import benchmark, peers
