@@ -144,7 +144,10 @@ def warm_for_requests(llm: Runtime, ssms: Sequence[Runtime] = (), sampling_ssms:
     it and the drafters' first runs) and every drafter depth of the SSMs run once
     (:func:`warm_drafter`): greedy for ``ssms``, sampled for the SSMs that draft for sampled
     requests (``sampling_ssms``, or ``ssms`` where there are none). Otherwise one run of the
-    LLM's incremental chain, whose first run costs more than the later ones."""
+    LLM's incremental chain, whose first run costs more than the later ones. Either way, where the
+    LLM draws sampled chains itself (:attr:`~Runtime.samples_chains`), one sampled chain: its
+    first run opens its session (140-180 ms for the embedded LLM, against ~7 ms for later ones),
+    which a first sampled request paid."""
     if dynamic:
         step_cost(llm)   # which runs the LLM's chain too
         for ssm in ssms:
@@ -153,6 +156,8 @@ def warm_for_requests(llm: Runtime, ssms: Sequence[Runtime] = (), sampling_ssms:
             warm_drafter(ssm, sampled=True)
     elif chains(llm):
         warm_shapes(llm, chain_depths=[llm.draft_depth], decoding=True)
+    if chains(llm) and llm.samples_chains:
+        warm_shapes(llm, chain_depths=[llm.draft_depth], sampled=True, decoding=True)
 
 
 def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int = 2, seed: int = 0) -> float:
@@ -287,9 +292,15 @@ class TreeSizer:
             self._line = None   # refitted when next asked: most steps that draft nothing never ask
 
     def observe_chain(self, tokens: int, seconds: float, weight: float = 0.2) -> None:
-        """A chain run of greedy incremental decoding took ``seconds`` for ``tokens`` tokens."""
+        """A chain run of incremental decoding took ``seconds`` for ``tokens`` tokens. At most
+        twice the estimate, as :meth:`observe` takes a step's overhead: a sampled request's first
+        chain run opened its session (140-180 ms for 8 tokens, 20x a later run), which made chains
+        look 5x dearer than they are, so the sizer drafted nearly every step (60 steps of 2.1
+        tokens, 321 tokens/s where incremental sampling made ~1000) and ran too few chains to learn
+        better for the rest of the request."""
         if self.chain_tokens and tokens > 0:
-            self._chain_token_seconds += weight * (seconds / tokens - self._chain_token_seconds)
+            token_seconds = min(seconds / tokens, 2 * self._chain_token_seconds) if self._chain_token_seconds else seconds / tokens
+            self._chain_token_seconds += weight * (token_seconds - self._chain_token_seconds)
 
     def idle_rate(self) -> float:
         """Tokens per second of a step that drafts nothing: one LLM token, or a chain run."""

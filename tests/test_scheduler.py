@@ -161,6 +161,8 @@ def test_a_pipeline_readies_its_dynamic_tree_at_load_not_in_its_first_request(se
     pipe = Pipeline(served_pair["llm"], ssms=[served_pair["ssms"][0]])
     try:
         assert pipe.llm in tree_sizing._measured
+        # and the LLM's sampled chain, whose first run opens its session
+        assert pipe.llm.samples_chains and ("sampled_chain", pipe.llm.draft_depth) in pipe.llm.draft_sessions
         warmed = []
         monkeypatch.setattr(tree_sizing.StepCost, "measure", lambda *a, **k: pytest.fail("timed in a request"))
         monkeypatch.setattr(tree_sizing, "warm_shapes", lambda *a, **k: warmed.append(a))

@@ -87,6 +87,18 @@ def test_a_tree_must_beat_the_chain_a_step_that_drafts_nothing_takes():
     assert TreeSizer(StepCost((1, 9), (1.0, 1.8)), chained=True).idle_rate() == pytest.approx(1.0)
 
 
+def test_a_one_off_slow_chain_run_does_not_make_chains_look_dear():
+    """A chain run counts for at most twice the estimate: a sampled request's first chain run
+    opened its session (140-180 ms for 8 tokens, 20x a later run), which made chains look 5x dearer,
+    and the sizer then drafted trees that lost to them for the rest of the request."""
+    cost = StepCost((1, 9), (1.0, 1.8), chain_tokens=8, chain_seconds=2.0)
+    reach = list(np.cumprod([0.8] * 8))
+    sizer = TreeSizer(cost, overhead=0.0, chained=True)
+    sizer.observe_chain(8, 2.0 * 20)
+    assert sizer.idle_rate() == pytest.approx(4.0 / 1.2)   # 0.25 s a token -> 0.3, not 1.2
+    assert sizer.best_count(reach) == 0                     # still no tree worth drafting
+
+
 def test_requests_drafting_alike_share_one_sizer(exported):
     """What a step costs is learnt over requests: one sizer per LLM and drafters, not per request."""
     llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
