@@ -569,16 +569,17 @@ class Scheduler:
 
 
 def warm_batches(runtime: Runtime, most: int) -> None:
-    """One run of every batch size from 2 to ``most`` sequences, scoring and drafting chains (as
+    """One run of every batch size from 1 to ``most`` sequences, scoring and drafting chains (as
     greedy requests' chains run, :meth:`Scheduler._run_chained`), on sequences of one token made
     and released here: an engine may open a session for a batch size at its first run (ONNX
     Runtime: ~0.1 s each for the embedded LLM), which a burst of requests would otherwise wait for
     (16 streams: 0.61 s). ~1.2 s for sizes up to 16 here; sampled decoding's chains too, where the
-    engine draws them (:attr:`~specinfer.engines.runtime.Runtime.samples_chains`)."""
+    engine draws them (:attr:`~specinfer.engines.runtime.Runtime.samples_chains`), a lone
+    request's among them (its first sampled chain opened a session: 140-180 ms)."""
     depths = [runtime.draft_depth] if chains(runtime) else []
-    warm_shapes(runtime, tree_sizes=[1], chain_depths=depths, batch_sizes=range(2, most + 1), decoding=True)
+    warm_shapes(runtime, tree_sizes=[1], chain_depths=depths, batch_sizes=range(1, most + 1), decoding=True)
     if depths and runtime.samples_chains:
-        warm_shapes(runtime, chain_depths=depths, sampled=True, batch_sizes=range(2, most + 1), decoding=True)
+        warm_shapes(runtime, chain_depths=depths, sampled=True, batch_sizes=range(1, most + 1), decoding=True)
 
 
 def _return_free_heap() -> None:

@@ -133,6 +133,8 @@ def test_a_warm_scheduler_has_every_batch_size_session_before_its_first_request(
         assert sorted(size for kind, _, size in llm.batch_drafters if kind == "sampled_chain") == (
             [2, 3, 4] if llm.samples_chains else [])   # sampled decoding's
         assert llm.sequences() == []               # the warm-up's sequences are gone
+        assert ("chain", llm.draft_depth) in llm.draft_sessions and (
+            ("sampled_chain", llm.draft_depth) in llm.draft_sessions) == llm.samples_chains   # a lone request's
         sessions = dict(llm._batched)
         want = [alone(llm, p, 12) for p in PROMPTS[:3]]
         assert run_together(scheduler, PROMPTS[:3], 12) == want
