@@ -48,7 +48,8 @@ class Pipeline:
         float32 caches: theirs are small, and their drafter node reads float32 only. ``matmul_dtype``:
         the LLM's matrix products, float32, bfloat16 or int8 (see :func:`~specinfer.engines.loader.load_runtime`);
         the SSMs' stay float32. What a first request would wait for is done here, at load: the
-        dynamic tree's cost table timed and its drafters opened, or incremental decoding's chain run."""
+        dynamic tree's cost table timed and its drafters opened, or incremental decoding's chain run,
+        and the LLM's sampled chain (:func:`~specinfer.tree_sizing.warm_for_requests`)."""
         self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype, matmul_dtype)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]

@@ -299,8 +299,10 @@ class TreeSizer:
         tokens, 321 tokens/s where incremental sampling made ~1000) and ran too few chains to learn
         better for the rest of the request."""
         if self.chain_tokens and tokens > 0:
-            token_seconds = min(seconds / tokens, 2 * self._chain_token_seconds) if self._chain_token_seconds else seconds / tokens
-            self._chain_token_seconds += weight * (token_seconds - self._chain_token_seconds)
+            token_seconds, estimate = seconds / tokens, self._chain_token_seconds
+            if estimate:
+                token_seconds = min(token_seconds, 2 * estimate)
+            self._chain_token_seconds += weight * (token_seconds - estimate)
 
     def idle_rate(self) -> float:
         """Tokens per second of a step that drafts nothing: one LLM token, or a chain run."""
