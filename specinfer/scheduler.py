@@ -83,10 +83,7 @@ class ChainsOrTrees:
     chain token cheaper as the batch grows faster than a tree token gets (served on int8 products,
     4 streams: speculative 2874 tokens/s against incremental 3888, 16 streams 4127 against 4742).
     Trees are tried first; the losing way is tried again now and then, the wait doubling while it
-    still loses, so that a change (other prompts, drafts that start to pay) is seen. The first
-    batch of each way and size is not counted: an engine may open a session for it (a Pipeline's
-    first batch of 8 trees made 393 tokens/s, its next 3032; a server warms its batch sizes first,
-    then this costs one more batch of each way)."""
+    still loses, so that a change (other prompts, drafts that start to pay) is seen."""
 
     WEIGHT = 0.3          # of a new batch in a moving average
     RETRY = (4, 64)       # batches of a size between tries of the losing way: first, most
@@ -96,7 +93,6 @@ class ChainsOrTrees:
         self._wait: dict[int, int] = {}
         self._waited: dict[int, int] = {}
         self._leader: dict[int, str] = {}
-        self._first_seen: set[tuple[str, int]] = set()   # (way, requests running) whose first batch has run
 
     def chains(self, size: int) -> bool:
         """Whether the next batch of ``size`` running requests takes chains instead of trees."""
@@ -116,9 +112,6 @@ class ChainsOrTrees:
         """A batch of ``size`` running requests that went ``way`` ("trees" or "chains") made
         ``tokens`` in ``seconds``, its drafting included."""
         if seconds <= 0 or tokens <= 0:
-            return
-        if (way, size) not in self._first_seen:   # the first: not a measure (see the class)
-            self._first_seen.add((way, size))
             return
         rate, old = tokens / seconds, self.rates.get((way, size))
         self.rates[way, size] = rate if old is None else old + self.WEIGHT * (rate - old)

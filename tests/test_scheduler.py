@@ -335,20 +335,14 @@ def test_steps_whose_drafters_draft_nothing_take_chains_where_no_tree_is_verifie
 def test_chains_or_trees_measures_trees_then_chains_then_goes_the_faster_way_trying_the_other_now_and_then():
     ways = ChainsOrTrees()
     assert ways.chains(4) is False                 # trees first
-    ways.observe("trees", 4, 30, 0.080)            # its first batch (a session opened): not counted
-    assert ways.chains(4) is False                 # trees again
     ways.observe("trees", 4, 30, 0.010)            # 3000 tokens/s
     assert ways.chains(4) is True                  # then chains
-    ways.observe("chains", 4, 32, 0.004)           # first: not counted
-    assert ways.chains(4) is True
     ways.observe("chains", 4, 32, 0.008)           # 4000 tokens/s: chains lead
     picks = [ways.chains(4) for _ in range(200)]
     tries = [i for i, chains in enumerate(picks) if not chains]
     assert tries[0] == ChainsOrTrees.RETRY[0] - 1
     assert [b - a for a, b in zip(tries, tries[1:])][:5] == [8, 16, 32, 64, 64]   # the wait doubles, to the most
     assert ways.chains(8) is False                 # every batch size on its own
-    ways.observe("trees", 8, 30, 0.010)
-    assert ways.chains(8) is False                 # its own first batch, too
     for _ in range(10):                            # trees, tried again, now do better
         ways.observe("trees", 4, 50, 0.010)
     assert sum(not ways.chains(4) for _ in range(20)) >= 18
