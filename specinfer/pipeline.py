@@ -12,11 +12,10 @@ from typing import Iterator, Sequence
 
 from .engines.loader import load_runtime
 from .generate import DEFAULT_BUDGET, Stats, decode
-from .scheduler import BATCH_TREE_TOKENS, IDLE_SECONDS, PREFILL_CHUNK_TOKENS, Scheduler
+from .scheduler import BATCH_TREE_TOKENS, IDLE_SECONDS, PREFILL_CHUNK_TOKENS, Scheduler, warm_for_requests
 from .sampling import SamplingParams
 from .speculate import DYNAMIC, parse_tree
 from .text import TextStream, load_tokenizer
-from .tree_sizing import warm_for_requests
 
 
 class Pipeline:
@@ -49,7 +48,7 @@ class Pipeline:
         the LLM's matrix products, float32, bfloat16 or int8 (see :func:`~specinfer.engines.loader.load_runtime`);
         the SSMs' stay float32. What a first request would wait for is done here, at load: the
         dynamic tree's cost table timed and its drafters opened, or incremental decoding's chain run,
-        and the LLM's sampled chain (:func:`~specinfer.tree_sizing.warm_for_requests`)."""
+        and the LLM's sampled chain (:func:`~specinfer.scheduler.warm_for_requests`)."""
         self.llm = load_runtime(llm, engine, max_context, threads, kv_dtype, matmul_dtype)
         self.ssms = [load_runtime(s, engine, max_context, threads) for s in ssms]
         self.sampling_ssms = [load_runtime(s, engine, max_context, threads) for s in sampling_ssms]
@@ -61,8 +60,7 @@ class Pipeline:
         self.scheduler = Scheduler(self.llm, self.ssms, sampling_ssms=self.sampling_ssms, kv_budget=kv_budget,
                                    batch_tree_tokens=batch_tree_tokens, prefill_chunk_tokens=prefill_chunk_tokens,
                                    idle_seconds=idle_seconds, warm=warm)
-        warm_for_requests(self.llm, self.ssms, self.sampling_ssms,
-                          dynamic=self.tree is None and bool(self.ssms or self.sampling_ssms or lookup))
+        warm_for_requests(self.llm, self.ssms, self.sampling_ssms, self.tree, lookup)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

@@ -58,7 +58,7 @@ from .generate import DEFAULT_BUDGET, LocalSpeculator, Stats
 from .sampling import SamplingParams
 from .speculate import check_vocab, run_drafts
 from .tree import TokenTree
-from .tree_sizing import chains, warm_shapes
+from .tree_sizing import chains, step_cost, warm_drafter, warm_shapes
 
 # Tree nodes a batch's trees share; a request alone keeps its whole budget. On 2 cores a batch of 16
 # verifies fastest with no draft at all (measured in-process, embedded models, 16 streams: 808
@@ -580,6 +580,26 @@ def warm_batches(runtime: Runtime, most: int) -> None:
     warm_shapes(runtime, tree_sizes=[1], chain_depths=depths, batch_sizes=range(1, most + 1), decoding=True)
     if depths and runtime.samples_chains:
         warm_shapes(runtime, chain_depths=depths, sampled=True, batch_sizes=range(1, most + 1), decoding=True)
+
+
+def warm_for_requests(llm: Runtime, ssms: Sequence[Runtime] = (), sampling_ssms: Sequence[Runtime] = (),
+                      tree: Sequence[int] | None = None, lookup: bool = False) -> None:
+    """What a first request would otherwise wait for, done now (a pipeline's or a fused server's
+    load), for requests on ``tree`` (their default: None, the dynamic tree) drafting with these
+    SSMs and by ``lookup``. On the dynamic tree: the LLM's cost table timed (:func:`step_cost`,
+    ~0.5 s for the embedded LLM; the demo's first speculative request spent 0.63 of its 0.74 s on
+    it and the drafters' first runs) and every drafter depth of the SSMs run once
+    (:func:`warm_drafter`): greedy for ``ssms``, sampled for the SSMs that draft for sampled
+    requests (``sampling_ssms``, or ``ssms`` where there are none). Always, a lone request's runs
+    (:func:`warm_batches` of one): its first sampled chain opened a session (140-180 ms for the
+    embedded LLM, against ~7 ms later)."""
+    if tree is None and (ssms or sampling_ssms or lookup):
+        step_cost(llm)
+        for ssm in ssms:
+            warm_drafter(ssm)
+        for ssm in sampling_ssms or ssms:
+            warm_drafter(ssm, sampled=True)
+    warm_batches(llm, 1)
 
 
 def _return_free_heap() -> None:

@@ -136,30 +136,6 @@ def warm_drafter(runtime: Runtime, sampled: bool = False) -> None:
         warm_shapes(runtime, chain_depths=range(1, runtime.draft_depth + 1), sampled=sampled)
 
 
-def warm_for_requests(llm: Runtime, ssms: Sequence[Runtime] = (), sampling_ssms: Sequence[Runtime] = (),
-                      dynamic: bool = True) -> None:
-    """What a first request would otherwise wait for, done now (a pipeline's or a server's load).
-    For requests on the dynamic tree (``dynamic``): the LLM's cost table timed (:func:`step_cost`,
-    ~0.5 s for the embedded LLM; the demo's first speculative request spent 0.63 of its 0.74 s on
-    it and the drafters' first runs) and every drafter depth of the SSMs run once
-    (:func:`warm_drafter`): greedy for ``ssms``, sampled for the SSMs that draft for sampled
-    requests (``sampling_ssms``, or ``ssms`` where there are none). Otherwise one run of the
-    LLM's incremental chain, whose first run costs more than the later ones. Either way, where the
-    LLM draws sampled chains itself (:attr:`~Runtime.samples_chains`), one sampled chain: its
-    first run opens its session (140-180 ms for the embedded LLM, against ~7 ms for later ones),
-    which a first sampled request paid."""
-    if dynamic:
-        step_cost(llm)   # which runs the LLM's chain too
-        for ssm in ssms:
-            warm_drafter(ssm)
-        for ssm in sampling_ssms or ssms:
-            warm_drafter(ssm, sampled=True)
-    elif chains(llm):
-        warm_shapes(llm, chain_depths=[llm.draft_depth], decoding=True)
-    if chains(llm) and llm.samples_chains:
-        warm_shapes(llm, chain_depths=[llm.draft_depth], sampled=True, decoding=True)
-
-
 def chain_seconds(runtime: Runtime, context: int, repeats: int = 9, warm_up: int = 2, seed: int = 0) -> float:
     """Median wall time of one run of the runtime's drafter graph on itself: greedy incremental
     decoding of :attr:`~Runtime.draft_depth` tokens in one call (:meth:`Runtime.decode_chain`), over
@@ -299,10 +275,8 @@ class TreeSizer:
         tokens, 321 tokens/s where incremental sampling made ~1000) and ran too few chains to learn
         better for the rest of the request."""
         if self.chain_tokens and tokens > 0:
-            token_seconds, estimate = seconds / tokens, self._chain_token_seconds
-            if estimate:
-                token_seconds = min(token_seconds, 2 * estimate)
-            self._chain_token_seconds += weight * (token_seconds - estimate)
+            token_seconds = min(seconds / tokens, 2 * self._chain_token_seconds)   # > 0 with chain_tokens
+            self._chain_token_seconds += weight * (token_seconds - self._chain_token_seconds)
 
     def idle_rate(self) -> float:
         """Tokens per second of a step that drafts nothing: one LLM token, or a chain run."""

@@ -27,11 +27,10 @@ from specinfer.engines.loader import load_runtime, onnx_folder  # noqa: E402
 from specinfer.engines.onnxruntime import read_manifest  # noqa: E402
 from specinfer.errors import RequestError, ServerStopping  # noqa: E402
 from specinfer.serving import triton_glue as glue  # noqa: E402
-from specinfer.scheduler import Scheduler  # noqa: E402
+from specinfer.scheduler import Scheduler, warm_for_requests  # noqa: E402
 from specinfer.serving.orchestrator import Orchestrator, RemoteSpeculator, merge_responses  # noqa: E402
 from specinfer.speculate import parse_tree  # noqa: E402
 from specinfer.text import load_tokenizer  # noqa: E402
-from specinfer.tree_sizing import warm_for_requests  # noqa: E402
 
 INPUTS = ["text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
           "stop_words", "exclude_input_in_output", "tree", "rule"]
@@ -60,9 +59,7 @@ class TritonPythonModel:
                                   kv_budget=int(p["kv_budget"]) if p["kv_budget"] else None,
                                   batch_tree_tokens=int(p["batch_tree_tokens"]),
                                   prefill_chunk_tokens=int(p["prefill_chunk_tokens"]), warm=glue.WARM_BATCHES)
-            # At load, not in the first request: the dynamic tree's cost table and drafters.
-            warm_for_requests(llm, ssms, sampling_ssms,
-                              dynamic=parse_tree(tree) is None and bool(ssms or sampling_ssms or lookup))
+            warm_for_requests(llm, ssms, sampling_ssms, parse_tree(tree), lookup)   # at load, not in a first request
             self.metrics = glue.Metrics(pb, args["model_name"], glue.metrics_seconds(p))   # what llm and ssm_<i> report otherwise
             # The scheduler's thread shares the GIL with two threads per request; after each model run
             # it waits for it at most this long (Python's default is 5 ms). Measured, 16 streams:
