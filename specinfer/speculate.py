@@ -24,7 +24,7 @@ from .engines.runtime import ChainDraft, Runtime, each_or_its_error, top_tokens
 from .errors import SpecInferError
 from .sampling import SamplingParams, probabilities, sample
 from .tree import Proposal, TokenTree
-from .tree_sizing import Acceptance, TreeSizer, acceptance, warm_drafter
+from .tree_sizing import Acceptance, DrafterCalls, TreeSizer, acceptance, drafter_calls, warm_drafter
 
 
 def parse_widths(spec: str) -> list[int]:
@@ -208,8 +208,7 @@ class SSMDrafter:
         self._slot: dict[int, int] = {}          # scored tree node -> its pending index in the runtime
         self.seconds = 0.0                        # what the last draft cost (see drafting)
         self.catch_up_seconds = 0.0               # of which its prefill of a long catch-up
-        self._call_seconds: dict[int, float] = {}   # a draft_chain call's seconds by its tokens (moving averages)
-        self._kept = float(DYNAMIC_DEPTH)          # chain tokens the sizer keeps (moving average)
+        self._calls: DrafterCalls | None = None     # with a sizer: what this SSM's drafter calls cost
         # With a sizer: the SSM's acceptance record, and the draft's candidates as
         # (tree node, rank, SSM probability), for the record to learn from at commit.
         self._acceptance: Acceptance | None = None
@@ -248,7 +247,9 @@ class SSMDrafter:
         :attr:`catch_up_seconds` the part of it that took a long catch-up in by a prefill.
         """
         if self.sizer is not None:   # before the clock starts: a one-off, not what drafts cost
-            warm_drafter(self.runtime, sampled=not params.greedy and self.draw_dynamic)
+            sampled = not params.greedy and self.draw_dynamic
+            warm_drafter(self.runtime, sampled=sampled)
+            self._calls = drafter_calls(self.runtime, sampled, DYNAMIC_DEPTH)
         started, self.seconds, self.catch_up_seconds = time.perf_counter(), 0.0, 0.0
         tree = yield from self._drafting(root, widths, params, rng, budget, lead)
         self.seconds += time.perf_counter() - started
@@ -341,7 +342,7 @@ class SSMDrafter:
             depth = self._drawn_depth(depth)   # the whole chain's, chosen before drawing
         size = min(self.runtime.draft_depth, depth)
         if self.sizer is not None and sampled is None:
-            size = min(size, int(np.ceil(self._kept)) + DEPTH_MARGIN)
+            size = min(size, int(np.ceil(self._calls.kept)) + DEPTH_MARGIN)
         while True:
             size = min(size, depth - len(draft.tokens))
             noise = None
@@ -357,7 +358,8 @@ class SSMDrafter:
                 for candidates, logits in zip(part.candidates, part.candidate_logits):
                     q.append(draft_distribution(candidates, logits, temperature, self.runtime.vocab_size))
                     part.probability.append(float(q[-1][candidates].max()))
-            self._call_seconds[size] = self._call_seconds.get(size, seconds) * 0.8 + 0.2 * seconds
+            if self.sizer is not None:
+                self._calls.observe_call(size, seconds)
             for mine, theirs in zip(draft, part):
                 mine += theirs
             confident = next((i for i, p in enumerate(draft.probability) if p < self.min_confidence), None)
@@ -368,7 +370,7 @@ class SSMDrafter:
         chain_node = [0] * (keep + 1)    # chain token i's tree node at chain_node[i + 1]; the root at 0
         candidates = sorted(self._candidates(draft, keep, budget))
         if self.sizer is not None:
-            self._kept += 0.2 * (sum(rank == 0 for _, rank in candidates) - self._kept)
+            self._calls.observe_kept(sum(rank == 0 for _, rank in candidates))
         for i, rank in candidates:
             node = tree.add(chain_node[i], draft.tokens[i] if rank == 0 else draft.runner_up[i],
                             Proposal(self.index, rank, q[i] if q else None))
@@ -392,16 +394,7 @@ class SSMDrafter:
         likely = math.exp(sum(math.log(max(p, 1e-9)) for p in chunk.probability) / len(chunk.probability))
         last = reach[len(draft.tokens) - 1]
         more = [last * likely ** depth for depth in range(1, len(chunk.tokens) + 1)]
-        return self.sizer.drafting_more_pays(sorted(reach, reverse=True), more, self._call_seconds[len(chunk.tokens)])
-
-    def _token_seconds(self) -> float:
-        """What one more drafted token costs: its share of a drafter call, at the call size nearest
-        the chain tokens the sizer has been keeping (a call of t tokens costs about t + 1 tokens'
-        worth: 1, 4 and 8 sampled tokens 112, 244 and 430 us here, alone). 0 before any call."""
-        if not self._call_seconds:
-            return 0.0
-        size = min(self._call_seconds, key=lambda t: abs(t - self._kept))
-        return self._call_seconds[size] / (size + 1)
+        return self.sizer.drafting_more_pays(sorted(reach, reverse=True), more, self._calls.seconds[len(chunk.tokens)])
 
     def _drawn_depth(self, most: int) -> int:
         """How many tokens a sampled chain draws under a sizer, all of them verified.
@@ -413,9 +406,9 @@ class SSMDrafter:
         the drafter's tokens (a chain drawn 6 deep and cut to about 3 ran 0.84x a fixed chain of 4
         here). So the depth follows the draws' measured acceptance rate and what a step costs at
         each depth (the sizer's LLM line, the drafter's seconds per token), fixed before drawing."""
-        rate, token_seconds = self._acceptance.rate(0), self._token_seconds()
+        rate, token_seconds, usual = self._acceptance.rate(0), self._calls.token_seconds(), self._calls.kept
         reach = [rate ** depth for depth in range(1, most + 1)]
-        drafting = [token_seconds * (depth - self._kept) for depth in range(most + 1)]
+        drafting = [token_seconds * (depth - usual) for depth in range(most + 1)]
         count, speedup = self.sizer.best(reach, drafting)
         self._acceptance.expect(speedup)
         return max(1, count)
@@ -452,10 +445,10 @@ class SSMDrafter:
         ranked = [-c[0] for c in candidates]
         # The step's overhead was measured drafting about as deep as the sizer has been keeping:
         # keeping more chain tokens (or fewer) soon drafts that much deeper (or shallower), each
-        # drafted token costing about its share of a call (_token_seconds).
-        token_seconds = self._token_seconds()
+        # drafted token costing about its share of a call (DrafterCalls.token_seconds).
+        token_seconds, usual = self._calls.token_seconds(), self._calls.kept
         chain_tokens = itertools.accumulate((rank == 0 for _, _, rank in candidates), initial=0)
-        drafting = [token_seconds * (tokens - self._kept) for tokens in chain_tokens]
+        drafting = [token_seconds * (tokens - usual) for tokens in chain_tokens]
         count, speedup = self.sizer.best(ranked, drafting)
         self._acceptance.expect(speedup)
         kept = candidates[:min(budget - 1, count)]

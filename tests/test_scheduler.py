@@ -356,9 +356,11 @@ def test_a_batch_of_greedy_speculative_requests_goes_the_way_chosen_for_its_size
     LLM call verifies their trees. Either way the tokens are each request's alone."""
     llm, ssms = models
     monkeypatch.setattr(ChainsOrTrees, "chains", lambda self, size: way == "chains")
-    # Fresh acceptance records: the models' are shared with the earlier tests, whose drafts may
-    # have left them judging that drafts do not pay (then no SSM drafts here: seen once in 3 runs).
+    # Fresh acceptance and drafter-call records: the models' are shared with the earlier tests,
+    # whose drafts may have left them judging that drafts do not pay (then no SSM drafts here: seen
+    # once in 3 runs), or that they keep nothing (what a drafted token costs, learnt there).
     monkeypatch.setattr(tree_sizing, "_acceptance", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(tree_sizing, "_drafter_calls", weakref.WeakKeyDictionary())
     chains, drafts, trees = [], [], []
     chain_runs, drafter_runs, score = llm.decode_chains, ssms[0].draft_chains, llm.score_batch
     monkeypatch.setattr(llm, "decode_chains", lambda calls: chains.append(len(calls)) or chain_runs(calls))

@@ -305,6 +305,55 @@ def test_a_sampled_dynamic_chain_draws_as_deep_as_its_acceptance_rate_pays(expor
         spec.release()
 
 
+def test_a_requests_first_greedy_chunk_is_as_deep_as_earlier_requests_kept(exported, trees_against_one_token_steps):
+    """What an SSM's drafter calls cost and how deep the sizer keeps its chains are the SSM's, not
+    a request's: a new request's first chunk asks for the chain tokens earlier requests kept (plus
+    the margin), not the drafter's whole depth."""
+    from specinfer.speculate import DEPTH_MARGIN, DYNAMIC_DEPTH
+    from specinfer.tree_sizing import drafter_calls, warm_drafter
+
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    warm_drafter(ssm)   # its runs of every depth, before the calls counted
+    asked, draft_chains = [], ssm.draft_chains
+    ssm.draft_chains = lambda calls: (asked.extend(depth for _, _, depth, _ in calls), draft_chains(calls))[1]
+    drafter_calls(ssm, False, DYNAMIC_DEPTH).kept = 1.0   # as if the requests before had kept 1 token a chain
+    spec = LocalSpeculator(llm, [ssm])
+    try:
+        spec.start([5, 6, 7])
+        tree = spec.propose(8, 16)
+        assert asked[0] == 1 + DEPTH_MARGIN < DYNAMIC_DEPTH and len(tree) > 1
+        assert spec.drafters[0]._calls is drafter_calls(ssm, False, DYNAMIC_DEPTH)
+        assert drafter_calls(ssm, True, DYNAMIC_DEPTH) is not spec.drafters[0]._calls   # sampled drafts: their own
+    finally:
+        spec.release()
+
+
+@pytest.mark.parametrize("dear", [False, True])
+def test_a_requests_first_sampled_chain_knows_what_drafting_costs(exported, dear, trees_against_one_token_steps):
+    """A sampled dynamic chain is drawn as deep as its acceptance pays for at what a drafted token
+    costs past the depth the sizer has been keeping; a request's first draft takes both from the
+    SSM's earlier calls, not afresh (every token free past the drafter's whole depth): with calls
+    recorded as dear past one token it draws a token at most, where nearly every draw is accepted."""
+    from specinfer.speculate import DYNAMIC_DEPTH
+    from specinfer.tree_sizing import drafter_calls
+
+    llm, ssm = OrtRuntime(exported["llama3"]), OrtRuntime(exported["llama3"])
+    params = SamplingParams(temperature=1.0, seed=0)
+    record, rng = acceptance(ssm, params, "ssm", "mss"), np.random.default_rng(1)
+    for _ in range(300):
+        record.observe([0.5] * 4, [0] * 4, rng.random(4) < 0.97)
+    if dear:   # earlier requests kept a token a chain, and a call of one token took 0.2 s
+        calls = drafter_calls(ssm, True, DYNAMIC_DEPTH)
+        calls.kept, calls.seconds[1] = 1.0, 0.2
+    spec = LocalSpeculator(llm, [ssm], None, params)
+    try:
+        spec.start([5, 6, 7])
+        tree = spec.propose(8, 16)
+        assert len(tree) - 1 <= 1 if dear else len(tree) - 1 == DYNAMIC_DEPTH
+    finally:
+        spec.release()
+
+
 def test_the_sizer_learns_a_drafts_cost_without_its_prefill_of_the_prompt(exported, trees_against_one_token_steps,
                                                                           monkeypatch):
     """A request's first draft takes its prompt into the SSM by a prefill: paid once a request
