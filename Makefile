@@ -24,6 +24,8 @@ demo: venv
 	$(PY) -m specinfer.demo
 
 test: venv
+	# pyflakes' checks (unused imports, undefined names): each is a bug or dead code
+	$(PY) -m ruff check --select F specinfer tests
 	$(PY) -m pytest -q -ra
 
 clean:
