@@ -477,8 +477,8 @@ class DrafterCalls:
     """What an SSM's drafter calls cost, by the tokens a call drafts, and how many chain tokens
     the sizer keeps of its drafts (moving averages): shared by every sequence that drafts with the
     SSM (:func:`drafter_calls`), as a request's first drafts would otherwise start from nothing:
-    its first sampled chain drawn as if drafting were free, its first greedy chunk 8 deep whatever
-    the sizer had been keeping."""
+    its first sampled chain drawn as if each token drafted deeper cost nothing, its first greedy
+    chunk 8 deep whatever the sizer had been keeping."""
 
     WEIGHT = 0.2   # of a new call in the moving averages
 
